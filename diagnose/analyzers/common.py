@@ -1,0 +1,36 @@
+"""Helpers shared by the analyzers: shares, severities, check construction."""
+from __future__ import annotations
+
+from diagnose.model import Check, Finding
+from diagnose.thresholds import Thresholds
+
+
+def confidence_for(ctx, base: str = "high") -> str:
+    """Lower confidence for thin evidence: one profiled step, or a subset of the ranks."""
+    levels = ["low", "medium", "high"]
+    level = levels.index(base)
+    n_steps = int(ctx.table.groupby("rank")["step"].nunique().min())
+    if n_steps < 2:
+        level -= 1
+    run = ctx.run
+    if run.world_size and len(run.ranks) < run.world_size and len(run.ranks) < 0.5 * run.world_size:
+        level -= 1
+    return levels[max(level, 0)]
+
+
+def passed(check_id: str, title: str, reason: str) -> Check:
+    return Check(id=check_id, title=title, status="passed", reason=reason)
+
+
+def not_measurable(check_id: str, title: str, reason: str) -> Check:
+    return Check(id=check_id, title=title, status="not_measurable", reason=reason)
+
+
+def below(th_share: float, ms: float, share: float) -> str:
+    return f"{ms:.2f} ms per step ({share:.1%}), below the {th_share:.0%} threshold"
+
+
+def flag_or_pass(finding: Finding, threshold: float, th: Thresholds, reason_flag: str) -> Check:
+    if finding.share_of_step >= threshold and finding.recoverable_ms >= th.healthy_floor_ms:
+        return Check(id=finding.id, title=finding.title, status="flagged", reason=reason_flag, finding=finding)
+    return passed(finding.id, finding.title, below(threshold, finding.recoverable_ms, finding.share_of_step))

@@ -1,0 +1,108 @@
+"""1. Dataloader starvation, and input stalls outside the DataLoader.
+
+Estimation (dataloader_starvation): per rank, the mean per-step time spent in
+`enumerate(DataLoader)#...__next__` that is not hidden under device work (GPU
+traces) or that blocks the training thread (CPU traces); the job-level figure is
+the worst rank's, since every other rank waits for it at the next collective.
+
+Estimation (input_stall): on GPU traces, host-to-device copies not overlapped by
+any kernel, per step (pageable or synchronous copies that stall the device).
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.context import Context
+from diagnose.intervals import covered, subtract, union
+from diagnose.ingest.load import KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY
+from diagnose.model import Check, Finding
+from diagnose.thresholds import Thresholds
+from diagnose.timeline import DATALOADER, _names_matching
+
+TITLE = "Dataloader starvation"
+TITLE_STALL = "Input stall outside the DataLoader (blocking host-to-device copies)"
+FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=True, "
+       "prefetch_factor=2..4, persistent_workers=True); move decoding/augmentation off the "
+       "training process or cache preprocessed samples.")
+FIX_STALL = ("Copy inputs asynchronously: pin_memory=True in the DataLoader and "
+             "tensor.to(device, non_blocking=True); avoid pageable host tensors in the step.")
+_H2D = re.compile(r"HtoD|Host to Device|H2D", re.IGNORECASE)
+
+
+def _dataloader(ctx: Context, th: Thresholds) -> Check:
+    run = ctx.run
+    if all(len(tl.dataloader) == 0 for tl in run.timelines.values()):
+        return not_measurable("dataloader_starvation", TITLE,
+                              "no enumerate(DataLoader) events in the trace (custom input pipeline, or "
+                              "the loop does not iterate a DataLoader inside the profiled steps)")
+    per_rank = ctx.per_rank_mean("dataloader_ms")
+    step = ctx.per_rank_mean("step_ms")
+    share_by_rank = per_rank / step
+    worst = int(per_rank.idxmax())
+    ms = float(per_rank.max())
+    share = ms / ctx.mean_step_ms
+    ranks = tuple(int(r) for r in share_by_rank[share_by_rank >= th.input_bound].index) or (worst,)
+    # the longest waits, as evidence a person can find in Perfetto
+    refs = []
+    for r in ranks[:4]:
+        ev = run.traces[r].events
+        dl = ev[_names_matching(ev, DATALOADER)].nlargest(3, "dur")
+        refs += [ctx.event_ref(r, int(i), "DataLoader wait") for i in dl.index]
+    metrics: dict[str, float | int | str] = {
+        "dataloader_ms_per_step": round(ms, 3),
+        "share_of_step": round(share, 4),
+        "worst_rank": worst,
+    }
+    for r, v in per_rank.items():
+        metrics[f"rank{r}_dataloader_ms"] = round(float(v), 3)
+    tl = run.timelines[worst]
+    blocked_ms = float(covered(tl.dataloader, tl.steps["start"], tl.steps["end"]).mean()) / 1000
+    metrics["blocked_in_dataloader_ms"] = round(blocked_ms, 3)
+    metrics["blocked_share_of_step"] = round(blocked_ms / float(step[worst]), 4)
+    if run.is_gpu:
+        # only the part of the wait the device also idles is lost: queued kernels run meanwhile
+        metrics["device_idle_share_of_wait"] = round(ms / blocked_ms, 3) if blocked_ms else 0.0
+    f = Finding(
+        id="dataloader_starvation", title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3),
+        share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=tuple(refs), fix=FIX,
+        confidence=confidence_for(ctx), method="Mean per-step DataLoader wait not hidden under device work "
+        "(GPU) or blocking the training thread (CPU), on the worst rank.")
+    level = "highly input-bound" if share >= th.input_bound_high else "input-bound"
+    return flag_or_pass(f, th.input_bound, th, f"{level}: rank {worst} waits {ms:.1f} ms per step "
+                        f"({share:.0%}) for the next batch")
+
+
+def _input_stall(ctx: Context, th: Thresholds) -> Check:
+    run = ctx.run
+    if not run.is_gpu:
+        return not_measurable("input_stall", TITLE_STALL, "CPU-only trace: no host-to-device copies to measure")
+    per_rank: dict[int, float] = {}
+    refs = []
+    for r, tl in run.timelines.items():
+        ev = run.traces[r].events
+        cp = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, _H2D)]
+        if cp.empty:
+            per_rank[r] = 0.0
+            continue
+        kernels = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
+        exposed = subtract(union(cp["ts"], cp["ts"] + cp["dur"]),
+                           union(kernels["ts"], kernels["ts"] + kernels["dur"]))
+        per_rank[r] = float(np.mean(covered(exposed, tl.steps["start"], tl.steps["end"]))) / 1000
+        refs += [ctx.event_ref(r, int(i), "host-to-device copy") for i in cp.nlargest(2, "dur").index]
+    worst = max(per_rank, key=per_rank.get)
+    ms = per_rank[worst]
+    share = ms / ctx.mean_step_ms
+    f = Finding(
+        id="input_stall", title=TITLE_STALL, severity=th.severity(share), recoverable_ms=round(ms, 3),
+        share_of_step=round(share, 4), ranks=(worst,),
+        metrics={"exposed_h2d_ms_per_step": round(ms, 3), "share_of_step": round(share, 4)},
+        events=tuple(refs[:6]), fix=FIX_STALL, confidence=confidence_for(ctx, "medium"),
+        method="Mean per-step host-to-device copy time during which no kernel runs, on the worst rank.")
+    return flag_or_pass(f, th.input_stall, th, f"host-to-device copies stall the device {ms:.2f} ms per step")
+
+
+def analyze(ctx: Context, th: Thresholds) -> list[Check]:
+    return [_dataloader(ctx, th), _input_stall(ctx, th)]

@@ -1,0 +1,195 @@
+"""4. Micro-batch too small / launch (host) overhead.
+
+GPU traces. Estimation: the mean per-step time the device idles (no kernel, copy or
+collective, outside DataLoader waits) while the host is busy in CPU ops other than
+synchronisation calls: the host cannot launch work fast enough. Job-level: median rank.
+
+CPU-only traces. Estimation: per-op overhead = for every op in the step, its self
+time up to that op's fixed cost, taken as the self time of its fastest instance on
+the rank (where the work is smallest): the cost each op pays whatever its size,
+which a larger micro-batch amortises.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.context import Context
+from diagnose.intervals import covered, intersect, merge, subtract, union
+from diagnose.ingest.load import (KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_RUNTIME)
+from diagnose.model import Check, Finding
+from diagnose.thresholds import Thresholds
+from diagnose.timeline import CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, _names_matching
+from diagnose.timeline import runtime_launch_delay
+
+ID = "launch_overhead"
+TITLE = "Micro-batch too small / launch overhead (device waits for the host)"
+FIX_GPU = ("Give the device bigger, fewer kernels: raise the micro-batch (keep the global batch with gradient "
+           "accumulation), torch.compile the model (fuses ops), or capture the step with CUDA graphs; "
+           "move Python work out of the step.")
+FIX_CPU = ("Per-op overhead dominates: raise the micro-batch (with gradient accumulation to keep the global "
+           "batch), fuse ops with torch.compile, and keep Python work out of the step.")
+SYNC = re.compile(r"Synchronize|cudaMemcpy$|hipMemcpy$|EventQuery|StreamQuery", re.IGNORECASE)
+DENSE = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|conv|_convolution|mkldnn_convolution|"
+                   r"cudnn_convolution|_scaled_dot_product|scaled_dot_product|einsum)")
+
+
+def _gpu(ctx: Context, th: Thresholds) -> Check:
+    run = ctx.run
+    per_rank: dict[int, float] = {}
+    metrics: dict[str, float | int | str] = {}
+    linked, n_kernels_all, counts, durs, delays, idle_total, host_in_idle = 0, 0, [], [], [], 0.0, 0.0
+    refs = []
+    for r, tl in run.timelines.items():
+        ev = run.traces[r].events
+        lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+        busy = merge(merge(tl.compute, tl.comm), tl.dataloader)
+        window = union(lo, hi)
+        idle = subtract(window, busy)
+        sync = ev[(ev["kind"] == KIND_RUNTIME).to_numpy() & _names_matching(ev, SYNC)]
+        host = subtract(tl.host_busy, union(sync["ts"], sync["ts"] + sync["dur"]))
+        host_idle = intersect(idle, host)
+        per_rank[r] = float(np.mean(covered(host_idle, lo, hi))) / 1000
+        idle_total += idle.total
+        host_in_idle += host_idle.total
+        k = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
+        k_in = k[(k["ts"] >= lo.min()) & (k["ts"] < hi.max())]
+        counts.append(len(k_in) / max(len(lo), 1))
+        durs.append(k_in["dur"].to_numpy())
+        d = runtime_launch_delay(ev)
+        delays.append(d)
+        linked += d.size
+        n_kernels_all += len(k)
+        # evidence: the longest idle gaps while the host was busy
+        if len(host_idle):
+            g = np.argsort(host_idle.ends - host_idle.starts)[-2:]
+            for i in g:
+                s, e = float(host_idle.starts[i]), float(host_idle.ends[i])
+                ops = ev[(ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()) & (ev["ts"] <= s).to_numpy()
+                         & ((ev["ts"] + ev["dur"]) >= e).to_numpy()]
+                if len(ops):
+                    row = int(ops["dur"].idxmin())
+                    refs.append(ctx.event_ref(r, row, f"device idle {(e - s) / 1000:.2f} ms during this host op"))
+    ms = float(np.median(list(per_rank.values())))
+    share = ms / ctx.mean_step_ms
+    all_durs = np.concatenate(durs) if durs else np.zeros(0)
+    all_delays = np.concatenate(delays) if delays else np.zeros(0)
+    metrics.update({
+        "device_idle_host_busy_ms_per_step": round(ms, 3),
+        "share_of_step": round(share, 4),
+        "device_idle_share": round(float(ctx.table["other_ms"].sum() / ctx.table["step_ms"].sum()), 4),
+        "host_busy_share_of_idle": round(host_in_idle / idle_total, 4) if idle_total else 0.0,
+        "kernels_per_step": round(float(np.median(counts)), 1),
+        "median_kernel_us": round(float(np.median(all_durs)), 2) if all_durs.size else 0.0,
+        "median_launch_delay_us": round(float(np.median(all_delays)), 2) if all_delays.size else "not linked",
+    })
+    base = "high" if all_durs.size and np.median(all_durs) < 50 else "medium"
+    linked_share = linked / n_kernels_all if n_kernels_all else 0.0
+    metrics["kernels_linked_to_launch"] = round(linked_share, 3)
+    if linked_share < 0.5 or not any(run.traces[r].flows for r in run.ranks):
+        # sampled or filtered trace (no launch->kernel flows): missing events look like idle time
+        base = "low"
+        metrics["note"] = "trace looks sampled or filtered (no flow events): idle time may be overstated"
+    ranks = tuple(r for r, v in per_rank.items() if v / ctx.mean_step_ms >= th.launch_overhead) or tuple(run.ranks)
+    f = Finding(
+        id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
+        ranks=ranks, metrics=metrics, events=tuple(refs[:6]), fix=FIX_GPU, confidence=confidence_for(ctx, base),
+        method="Median over ranks of per-step device idle time (outside DataLoader waits) during which the "
+               "host is busy in non-synchronising CPU ops.")
+    return flag_or_pass(f, th.launch_overhead, th, f"the device idles {ms:.1f} ms per step ({share:.0%}) while "
+                        "the host is busy: host-bound")
+
+
+def _self_times(df: pd.DataFrame) -> np.ndarray:
+    """Self time of each op (duration minus its direct children), per thread.
+
+    Rows must be sorted by (tid, ts, -dur). One stack walk: CPU-only traces hold
+    tens of thousands of ops per step at most, so a Python loop is fast enough here.
+    """
+    ts = df["ts"].to_numpy()
+    end = ts + df["dur"].to_numpy()
+    tids = df["tid"].to_numpy()
+    self_t = df["dur"].to_numpy().copy()
+    stack: list[int] = []
+    prev_tid = None
+    for i in range(len(ts)):
+        if tids[i] != prev_tid:
+            stack.clear()
+            prev_tid = tids[i]
+        while stack and end[stack[-1]] <= ts[i]:
+            stack.pop()
+        if stack:
+            self_t[stack[-1]] -= min(end[i], end[stack[-1]]) - ts[i]
+        stack.append(i)
+    return np.maximum(self_t, 0.0)
+
+
+def _cpu(ctx: Context, th: Thresholds) -> Check:
+    run = ctx.run
+    per_rank: dict[int, float] = {}
+    ops_per_step, floors, dense_shares = [], [], []
+    refs = []
+    for r, tl in run.timelines.items():
+        ev = run.traces[r].events
+        host_kinds = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
+        comm_tids = set(ev.loc[_names_matching(ev, CPU_COMM_TRANSFER), "tid"].astype(str))
+        excl = (_names_matching(ev, PROFILER_STEP) | _names_matching(ev, DATALOADER)
+                | _names_matching(ev, CPU_COMM_ENQUEUE) | _names_matching(ev, CPU_COMM_TRANSFER))
+        ops = ev[host_kinds & ~excl & ~ev["tid"].astype(str).isin(comm_tids).to_numpy()]
+        ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"],
+                                                                 ascending=[True, True, False])
+        ops = ops.assign(self_us=_self_times(ops))
+        # ops inside a DataLoader fetch are input work, counted by the dataloader check
+        if len(tl.dataloader):
+            inside = covered(tl.dataloader, ops["ts"], ops["ts"] + ops["dur"]) > 0
+            ops = ops[~inside]
+        lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+        if ops.empty:
+            per_rank[r] = 0.0
+            continue
+        # an op's fixed cost is at most its fastest instance's self time: at that size
+        # the work is smallest, so what remains is dispatch and bookkeeping
+        fixed_cost = ops.groupby("name", observed=True)["self_us"].transform("min").to_numpy()
+        floor = float(np.median(fixed_cost))
+        idx = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
+        ok = (idx >= 0) & (ops["ts"].to_numpy() < hi[np.clip(idx, 0, None)])
+        fixed = np.bincount(idx[ok], weights=np.minimum(ops["self_us"].to_numpy(), fixed_cost)[ok], minlength=len(lo))
+        n_ops = np.bincount(idx[ok], minlength=len(lo))
+        per_rank[r] = float(np.mean(fixed)) / 1000
+        ops_per_step.append(float(np.mean(n_ops)))
+        floors.append(floor)
+        dense = ops[_names_matching(ops, DENSE)]
+        c = covered(tl.compute, lo, hi).sum()
+        dense_shares.append(float(dense["self_us"].sum() / c) if c else 0.0)
+        refs += [ctx.event_ref(r, int(i), "a typical op: fixed cost dominates") for i in
+                 ops.iloc[np.argsort(np.abs(ops["self_us"].to_numpy() - floor))[:2]].index]
+    ms = float(np.median(list(per_rank.values())))
+    share = ms / ctx.mean_step_ms
+    metrics: dict[str, float | int | str] = {
+        "op_overhead_ms_per_step": round(ms, 3),
+        "share_of_step": round(share, 4),
+        "ops_per_step": round(float(np.median(ops_per_step)), 1) if ops_per_step else 0,
+        "median_fixed_cost_per_op_us": round(float(np.median(floors)), 2) if floors else 0.0,
+        "dense_math_share_of_compute": round(float(np.median(dense_shares)), 4) if dense_shares else 0.0,
+    }
+    ranks = tuple(r for r, v in per_rank.items() if v / ctx.mean_step_ms >= th.cpu_op_overhead) or tuple(run.ranks)
+    f = Finding(
+        id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
+        ranks=ranks, metrics=metrics, events=tuple(refs[:4]), fix=FIX_CPU, confidence=confidence_for(ctx, "medium"),
+        method="Median over ranks of the per-step sum, over ops, of each op's self time up to that op's fixed "
+               "cost (its fastest instance's self time): the cost a larger micro-batch amortises.")
+    return flag_or_pass(f, th.cpu_op_overhead, th, f"per-op overhead is {ms:.1f} ms per step ({share:.0%}) over "
+                        f"{metrics['ops_per_step']} ops: the micro-batch is too small to amortise it")
+
+
+def analyze(ctx: Context, th: Thresholds) -> list[Check]:
+    if ctx.run.is_gpu:
+        return [_gpu(ctx, th)]
+    gpus = [p for t in ctx.run.traces.values() for p in t.meta.get("deviceProperties") or []]
+    if gpus:
+        return [not_measurable(ID, TITLE, "the trace lists GPUs but holds no GPU events (CUDA activity not "
+                               "recorded): the device side cannot be judged; profile with ProfilerActivity.CUDA")]
+    return [_cpu(ctx, th)]

@@ -1,0 +1,58 @@
+"""Per-rank, per-step breakdown: where each step's time went.
+
+Components are disjoint and sum to the step time (priority order, so overlapping
+activity is counted once):
+- GPU: compute > communication > DataLoader wait > other (GPU idle).
+- CPU: DataLoader wait > compute > communication > other (host gaps, sleeps).
+Communication not hidden under compute is split into the part spent waiting for the
+single last-arriving rank of each collective (`straggler_wait`: what fixing that rank
+would give back) and the rest (`exposed_comm`: transfers and general arrival skew).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from diagnose.collectives import Matched
+from diagnose.intervals import Intervals, covered, merge, subtract, union
+from diagnose.model import StepBreakdown
+from diagnose.run import Run
+
+
+def _wait_intervals(matched: Matched, rank: int, offset: float) -> Intervals:
+    pr = matched.per_rank
+    if pr.empty:
+        return Intervals.empty()
+    mine = pr[(pr["rank"] == rank) & (pr["tail_wait"] > 0)]
+    # back to this rank's own clock, where its lanes live
+    end = np.minimum(mine["latest"], mine["end"]).to_numpy() - offset
+    return union(end - mine["tail_wait"].to_numpy(), end)
+
+
+def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
+    rows: list[StepBreakdown] = []
+    for r in run.ranks:
+        tl = run.timelines[r]
+        lo = tl.steps["start"].to_numpy()
+        hi = tl.steps["end"].to_numpy()
+        step_us = hi - lo
+        if tl.is_gpu:
+            compute = covered(tl.compute, lo, hi)
+            exposed_set = subtract(tl.comm, tl.compute)
+            busy = merge(tl.compute, tl.comm)
+            dl = covered(subtract(tl.dataloader, busy), lo, hi)
+        else:
+            dl = covered(tl.dataloader, lo, hi)
+            compute = covered(tl.compute, lo, hi)
+            exposed_set = subtract(subtract(tl.comm, tl.compute), tl.dataloader)
+        exposed = covered(exposed_set, lo, hi)
+        waits = _wait_intervals(matched, r, run.clock_offsets_us.get(r, 0.0))
+        wait = covered(subtract(exposed_set, subtract(exposed_set, waits)), lo, hi) if len(waits) else np.zeros(lo.size)
+        wait = np.minimum(wait, exposed)
+        exposed = exposed - wait
+        other = np.maximum(step_us - compute - exposed - wait - dl, 0.0)
+        for i, step in enumerate(tl.steps["step"].to_numpy()):
+            rows.append(StepBreakdown(
+                rank=r, step=int(step), start_us=float(lo[i]), step_ms=step_us[i] / 1000,
+                compute_ms=compute[i] / 1000, exposed_comm_ms=exposed[i] / 1000,
+                straggler_wait_ms=wait[i] / 1000, dataloader_ms=dl[i] / 1000, other_ms=other[i] / 1000))
+    return rows

@@ -1,0 +1,100 @@
+"""Command line: thin click commands; the work lives in testable functions."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from diagnose import __version__
+from diagnose.errors import DiagnoseError
+
+
+def fail(msg: str) -> None:
+    click.echo(f"diagnose: error: {msg}", err=True)
+    sys.exit(2)
+
+
+@click.group()
+@click.version_option(__version__, prog_name="diagnose")
+def main() -> None:
+    """Why is my distributed PyTorch job slow? Ranked causes from torch.profiler traces."""
+
+
+def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None) -> int:
+    """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
+    from diagnose.output import terminal_summary, write_json
+    from diagnose.pipeline import diagnose_paths
+
+    try:
+        d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs)
+    except DiagnoseError as exc:
+        fail(str(exc))
+    try:
+        write_json(d, out)
+        written = [out / "diagnosis.json"]
+        try:
+            from reports.html import write_report
+        except ImportError:
+            write_report = None
+        if write_report is not None:
+            written.append(write_report(d, out))
+    except OSError as exc:
+        fail(f"{out}: cannot write outputs ({exc.strerror or exc})")
+    click.echo(terminal_summary(d))
+    click.echo("")
+    click.echo("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+@main.command()
+@click.argument("trace_dir", nargs=-1, required=True)
+@click.option("--out", "out", default="diagnosis", show_default=True, type=click.Path(path_type=Path),
+              help="Directory for diagnosis.json and report.html.")
+@click.option("--max-trace-gb", default=8.0, show_default=True, help="Refuse traces that expand beyond this.")
+@click.option("--jobs", default=None, type=int, help="Parallel parse processes (default: CPU count).")
+def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None) -> None:
+    """Diagnose saved per-rank traces (a directory, or files)."""
+    sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@main.command()
+@click.option("--out", "out", default="diagnose-demo", show_default=True, type=click.Path(path_type=Path))
+@click.option("--pathology", default="straggler", show_default=True,
+              type=click.Choice(["none", "dataloader", "straggler", "tiny-batch", "tiny-buckets"]),
+              help="Which fault the example job injects.")
+@click.option("--nproc", default=2, show_default=True, help="Ranks (gloo on CPU, NCCL on GPUs).")
+def demo(out: Path, pathology: str, nproc: int) -> None:
+    """Run a short real DDP job with an injected fault, then diagnose it."""
+    import os
+    import subprocess
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        fail("the demo runs a real training job and needs torch: pip install torch==2.13.0 (CPU) or see README")
+    from examples import train_ddp
+
+    traces = out / "traces"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", train_ddp.__file__, "--trace-dir", str(traces),
+           "--pathology", pathology]
+    click.echo(f"running: {' '.join(cmd)}", err=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        fail(f"the demo job failed (exit {res.returncode}): {tail[0]}")
+    sys.exit(analyze_and_write([str(traces)], out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Match collectives across ranks and measure who arrives late.
+
+A collective instance is keyed by (step, process group, order within the step):
+ranks that profiled the same steps issue the same collectives in the same order per
+group. Arrival = when the rank entered the collective (NCCL kernel start; on gloo,
+the enqueue on the training thread). Everyone leaves together, when the last rank
+has arrived and the transfer is done, so a rank's wait is (last arrival - own arrival).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from diagnose.run import Run
+
+KEY = ["step", "pg", "seq"]
+
+
+@dataclass(frozen=True, slots=True)
+class Matched:
+    per_rank: pd.DataFrame
+    """One row per (collective, rank): KEY, rank, name, arrival, end (aligned us), dur,
+    bytes, row, latest, second (second-latest arrival), wait (us spent waiting for any
+    later rank), tail_wait (us spent waiting for the last rank alone), lateness (us vs
+    the median arrival)."""
+    per_collective: pd.DataFrame
+    """One row per collective present on >= 2 ranks: KEY, n_ranks, last_rank, latest,
+    gap (latest minus second-latest arrival, us), names_agree."""
+    match_ratio: float
+    """Share of all collective rows that found a partner on another rank."""
+
+
+def match_collectives(run: Run) -> Matched:
+    frames = []
+    for r, tl in run.timelines.items():
+        c = tl.collectives
+        if c.empty:
+            continue
+        off = run.clock_offsets_us.get(r, 0.0)
+        frames.append(c.assign(rank=r, arrival=c["arrival"] + off, end=c["end"] + off,
+                               dur=c["end"] - c["arrival"]))
+    empty = Matched(pd.DataFrame(columns=KEY + ["rank"]), pd.DataFrame(columns=KEY), 0.0)
+    if len(frames) < 2:
+        return empty
+    allc = pd.concat(frames, ignore_index=True)
+    allc = allc[allc["step"] >= 0]
+    counts = allc.groupby(KEY)["rank"].transform("size")
+    matched = allc[counts >= 2].copy()
+    if matched.empty:
+        return Matched(matched, pd.DataFrame(columns=KEY), 0.0)
+    g = matched.groupby(KEY)
+    matched["latest"] = g["arrival"].transform("max")
+    matched["second"] = g["arrival"].transform(lambda a: np.sort(a.to_numpy())[-2])
+    matched["median_arrival"] = g["arrival"].transform("median")
+    leave = np.minimum(matched["latest"], matched["end"])
+    matched["wait"] = np.clip(leave - matched["arrival"], 0, None)
+    # the part of the wait spent on the last rank alone: what fixing that one rank saves
+    matched["tail_wait"] = np.clip(leave - np.maximum(matched["arrival"], matched["second"]), 0, None)
+    matched["lateness"] = matched["arrival"] - matched["median_arrival"]
+
+    ordered = matched.sort_values(KEY + ["arrival"])
+    last = ordered.groupby(KEY).tail(1).set_index(KEY)
+    second = ordered.groupby(KEY).nth(-2).set_index(KEY)
+    per_coll = pd.DataFrame({
+        "n_ranks": g.size(),
+        "last_rank": last["rank"],
+        "latest": last["arrival"],
+        "gap": last["arrival"] - second["arrival"],
+        "names_agree": g["name"].nunique() == 1,
+    }).reset_index()
+    return Matched(matched.reset_index(drop=True), per_coll, len(matched) / max(len(allc), 1))

@@ -1,0 +1,45 @@
+"""What every analyzer reads: the run, matched collectives and the step breakdown."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+
+from diagnose.breakdown import compute_breakdown
+from diagnose.collectives import Matched, match_collectives
+from diagnose.model import EventRef, StepBreakdown
+from diagnose.run import Run
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    run: Run
+    matched: Matched
+    steps: tuple[StepBreakdown, ...]
+    table: pd.DataFrame
+    """The breakdown as a frame, one row per (rank, step)."""
+
+    @property
+    def mean_step_ms(self) -> float:
+        return float(self.table["step_ms"].mean())
+
+    def per_rank_mean(self, column: str) -> pd.Series:
+        return self.table.groupby("rank")[column].mean()
+
+    def event_ref(self, rank: int, row: int, note: str = "") -> EventRef:
+        """An evidence pointer to one event, in the file's own clock."""
+        trace = self.run.traces[rank]
+        e = trace.events.loc[row]
+        tl = self.run.timelines[rank]
+        ts = float(e["ts"])
+        hit = tl.steps[(tl.steps["start"] <= ts) & (tl.steps["end"] > ts)]
+        step = int(hit["step"].iloc[0]) if len(hit) else None
+        return EventRef(rank=rank, file=trace.path.name, ts_us=ts, dur_us=float(e["dur"]),
+                        name=str(e["name"])[:300], step=step, note=note)
+
+
+def build_context(run: Run) -> Context:
+    matched = match_collectives(run)
+    steps = tuple(compute_breakdown(run, matched))
+    table = pd.DataFrame([asdict(s) for s in steps])
+    return Context(run=run, matched=matched, steps=steps, table=table)

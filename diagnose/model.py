@@ -1,0 +1,130 @@
+"""Typed results: what the analyzers return and what `diagnosis.json` serialises.
+
+Frozen dataclasses: results are never mutated after they are built.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+SCHEMA_VERSION = "1.0"
+
+FindingId = Literal[
+    "dataloader_starvation",
+    "input_stall",
+    "exposed_communication",
+    "straggler",
+    "launch_overhead",
+]
+Severity = Literal["high", "medium", "low"]
+Confidence = Literal["high", "medium", "low"]
+CheckStatus = Literal["flagged", "passed", "not_measurable"]
+
+# The checklist in the field's order; reports show checks in this order.
+CHECK_ORDER: tuple[str, ...] = (
+    "dataloader_starvation",
+    "input_stall",
+    "exposed_communication",
+    "straggler",
+    "launch_overhead",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EventRef:
+    """One trace event behind a finding, as a person would look it up in Perfetto."""
+
+    rank: int
+    file: str
+    ts_us: float
+    """Timestamp as written in the file (microseconds, before clock alignment)."""
+    dur_us: float
+    name: str
+    step: int | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One cause, with the time it costs and how to verify and fix it."""
+
+    id: str
+    title: str
+    severity: Severity
+    recoverable_ms: float
+    """Estimated ms per step saved if this cause were removed (method in `method`)."""
+    share_of_step: float
+    ranks: tuple[int, ...]
+    metrics: dict[str, float | int | str]
+    """The numbers behind the verdict."""
+    events: tuple[EventRef, ...]
+    fix: str
+    confidence: Confidence
+    method: str
+    """How recoverable_ms was estimated, in one sentence."""
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One item of the checklist: whether it ran, what it found, and why."""
+
+    id: str
+    title: str
+    status: CheckStatus
+    reason: str
+    finding: Finding | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepBreakdown:
+    """Where one rank's step went. Components are disjoint and sum to step_ms."""
+
+    rank: int
+    step: int
+    start_us: float
+    step_ms: float
+    compute_ms: float
+    exposed_comm_ms: float
+    straggler_wait_ms: float
+    dataloader_ms: float
+    other_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    world_size: int | None
+    ranks_found: tuple[int, ...]
+    ranks_missing: tuple[int, ...]
+    backend: str | None
+    device: str
+    """'cuda', 'rocm' or 'cpu' (what the trace shows, not what the job asked for)."""
+    device_name: str | None
+    steps_analysed: int
+    step_source: str
+    """'ProfilerStep', 'optimizer_step' or 'probe'."""
+    mean_step_ms: dict[int, float]
+    clock_offsets_us: dict[int, float]
+    files: dict[int, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    run: RunFacts
+    checks: tuple[Check, ...]
+    findings: tuple[Finding, ...]
+    """Flagged findings, most recoverable time first."""
+    breakdown: tuple[StepBreakdown, ...]
+    warnings: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    """Inputs that were not used, each 'file: reason'."""
+    extras: dict = field(default_factory=dict)
+    """Optional material for the report (timeline excerpts, lateness matrix)."""
+    schema_version: str = SCHEMA_VERSION
+
+    @property
+    def top(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+
+def to_dict(obj) -> dict:
+    return asdict(obj)

@@ -1,0 +1,89 @@
+"""The one-way pipeline: traces -> Run -> Context -> checklist -> ranked Diagnosis."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from diagnose.analyzers import CHECKLIST
+from diagnose.context import Context, build_context
+from diagnose.ingest.load import DEFAULT_MAX_BYTES
+from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
+from diagnose.run import Run, load_run
+from diagnose.thresholds import DEFAULT, Thresholds
+
+
+def _device(run: Run) -> tuple[str, str | None]:
+    names = set()
+    for t in run.traces.values():
+        for p in t.meta.get("deviceProperties") or []:
+            if isinstance(p, dict) and isinstance(p.get("name"), str):
+                names.add(p["name"][:100])
+    name = ", ".join(sorted(names)) or None
+    if not run.is_gpu:
+        return "cpu", name
+    hip = any(t.events["name"].cat.categories.str.startswith("hip").any() for t in run.traces.values())
+    return ("rocm" if hip else "cuda"), name
+
+
+def run_facts(run: Run, ctx: Context) -> RunFacts:
+    device, device_name = _device(run)
+    sources = {tl.step_source for tl in run.timelines.values()}
+    mean = ctx.table.groupby("rank")["step_ms"].mean()
+    return RunFacts(
+        world_size=run.world_size,
+        ranks_found=tuple(run.ranks),
+        ranks_missing=tuple(run.missing_ranks),
+        backend=run.backend,
+        device=device,
+        device_name=device_name,
+        steps_analysed=int(ctx.table.groupby("rank")["step"].nunique().min()),
+        step_source="/".join(sorted(sources)),
+        mean_step_ms={int(r): round(float(v), 3) for r, v in mean.items()},
+        clock_offsets_us={int(r): round(v, 3) for r, v in run.clock_offsets_us.items() if v},
+        files={r: str(run.traces[r].path) for r in run.ranks},
+    )
+
+
+def run_checklist(ctx: Context, th: Thresholds) -> tuple[list[Check], list[str]]:
+    checks: list[Check] = []
+    warnings: list[str] = []
+    for name, analyze in CHECKLIST:
+        try:
+            checks += analyze(ctx, th)
+        except Exception as exc:  # an analyzer bug must not cost the user the other verdicts
+            warnings.append(f"check '{name}' failed on this input ({type(exc).__name__}: {exc}); skipped")
+    order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
+    checks.sort(key=lambda c: order.get(c.id, len(order)))
+    return checks, warnings
+
+
+def diagnose_run(run: Run, th: Thresholds = DEFAULT) -> Diagnosis:
+    ctx = build_context(run)
+    checks, warnings = run_checklist(ctx, th)
+    order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
+    findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
+                      key=lambda f: (-f.recoverable_ms, order.get(f.id, 99)))
+    extras = {"lateness": _lateness_extra(ctx)}
+    return Diagnosis(run=run_facts(run, ctx), checks=tuple(checks), findings=tuple(findings),
+                     breakdown=ctx.steps, warnings=tuple(run.warnings + warnings),
+                     skipped=tuple(run.skipped), extras=extras)
+
+
+def _lateness_extra(ctx: Context) -> dict:
+    """Rank x collective arrival lateness (ms) for the report's heatmap; capped in size."""
+    pr = ctx.matched.per_rank
+    if pr.empty:
+        return {}
+    pr = pr.sort_values(["step", "pg", "seq"])
+    keys = pr[["step", "pg", "seq"]].drop_duplicates().head(200)
+    sub = pr.merge(keys, on=["step", "pg", "seq"])
+    sub = sub.assign(col=sub["step"].astype(str) + ":" + sub["pg"].astype(str) + ":" + sub["seq"].astype(str))
+    mat = sub.pivot_table(index="rank", columns="col", values="lateness", sort=False) / 1000
+    return {"ranks": [int(r) for r in mat.index], "collectives": [str(c) for c in mat.columns],
+            "lateness_ms": np.round(mat.to_numpy(), 3).tolist()}
+
+
+def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                   jobs: int | None = None) -> Diagnosis:
+    return diagnose_run(load_run(paths, max_bytes=max_bytes, jobs=jobs), th)

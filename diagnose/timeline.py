@@ -1,0 +1,235 @@
+"""Per-rank timeline: step windows, activity lanes and the collectives table.
+
+Built once per rank from its events; every analyzer reads from here, so all of
+them share one definition of "compute", "communication" and "DataLoader wait".
+
+Definitions (stated in the report):
+- GPU traces: compute = union of non-communication kernels, memcpy and memset on
+  any stream; communication = union of NCCL/RCCL kernels. The device view: time the
+  GPU does useful work vs. time it only communicates or idles.
+- CPU-only traces: compute = union of CPU ops and annotations on the training
+  threads (not gloo's `pt_gloo_runloop` threads), minus DataLoader time;
+  communication = `gloo:*` transfers and `c10d::*` enqueue ops.
+- DataLoader wait = union of `enumerate(DataLoader)#...__next__` spans.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from diagnose.ingest.load import (
+    KIND_ANNOTATION,
+    KIND_COMM_KERNEL,
+    KIND_CPU_OP,
+    KIND_KERNEL,
+    KIND_MEMCPY,
+    KIND_MEMSET,
+    KIND_RUNTIME,
+    RankTrace,
+)
+from diagnose.intervals import Intervals, union
+
+DATALOADER = re.compile(r"^enumerate\(DataLoader\)#.*__next__")
+PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+OPTIMIZER_STEP = re.compile(r"^Optimizer\.step#")
+CPU_COMM_TRANSFER = re.compile(r"^gloo:")
+CPU_COMM_ENQUEUE = re.compile(r"^(c10d::|record_param_comms$|nccl:)")
+_DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2,
+                "bfloat16": 2, "int": 4, "int32": 4, "long": 8, "int64": 8, "int8": 1, "uint8": 1,
+                "char": 1, "byte": 1, "short": 2, "int16": 2, "bool": 1, "c10::half": 2,
+                "c10::bfloat16": 2, "unsigned char": 1, "signed char": 1}
+
+STEP_COLUMNS = ("step", "start", "end")
+COLLECTIVE_COLUMNS = ("step", "pg", "seq", "name", "arrival", "end", "bytes", "row")
+
+
+@dataclass(frozen=True, slots=True)
+class RankTimeline:
+    rank: int
+    file: str
+    is_gpu: bool
+    step_source: str
+    steps: pd.DataFrame
+    """One row per complete step: step (int), start, end (us, file clock)."""
+    compute: Intervals
+    comm: Intervals
+    dataloader: Intervals
+    host_busy: Intervals
+    """CPU ops on the training threads (GPU traces: the host side that launches work)."""
+    collectives: pd.DataFrame
+    """One row per collective instance on this rank, in order (COLLECTIVE_COLUMNS)."""
+    warnings: tuple[str, ...]
+
+
+def _names_matching(ev: pd.DataFrame, pattern: re.Pattern) -> np.ndarray:
+    """Boolean mask over rows whose name matches; the regex runs once per distinct name."""
+    cats = ev["name"].cat.categories
+    hit = np.fromiter((bool(pattern.search(c)) for c in cats), dtype=bool, count=len(cats))
+    codes = ev["name"].cat.codes.to_numpy()
+    return hit[codes] if len(cats) else np.zeros(len(ev), dtype=bool)
+
+
+def _kind_mask(ev: pd.DataFrame, *kinds: str) -> np.ndarray:
+    return ev["kind"].isin(kinds).to_numpy()
+
+
+def find_steps(ev: pd.DataFrame) -> tuple[pd.DataFrame, str, list[str]]:
+    """Step windows from ProfilerStep#N; else between Optimizer.step ends; drops a partial last step."""
+    warnings: list[str] = []
+    host = _kind_mask(ev, KIND_CPU_OP, KIND_ANNOTATION)
+    ps = ev[host & _names_matching(ev, PROFILER_STEP)]
+    if len(ps):
+        steps = pd.DataFrame({
+            "step": ps["name"].astype(str).str.extract(PROFILER_STEP.pattern)[0].astype(np.int64).to_numpy(),
+            "start": ps["ts"].to_numpy(),
+            "end": (ps["ts"] + ps["dur"]).to_numpy(),
+        }).sort_values("start").drop_duplicates("step").reset_index(drop=True)
+        source = "ProfilerStep"
+        opt = ev[host & _names_matching(ev, OPTIMIZER_STEP)]
+        if len(steps) >= 2:
+            last = steps.iloc[-1]
+            others = steps.iloc[:-1]
+            has_opt = lambda s, e: bool(((opt["ts"] >= s) & (opt["ts"] < e)).any())  # noqa: E731
+            others_opt = all(has_opt(r.start, r.end) for r in others.itertuples())
+            short = (last.end - last.start) < 0.5 * float(np.median(others.end - others.start))
+            if short or (len(opt) and others_opt and not has_opt(last.start, last.end)):
+                warnings.append(f"dropped incomplete last step ProfilerStep#{int(last.step)}")
+                steps = others.reset_index(drop=True)
+        return steps, source, warnings
+    opt = ev[host & _names_matching(ev, OPTIMIZER_STEP)].sort_values("ts")
+    if len(opt) >= 2:
+        ends = (opt["ts"] + opt["dur"]).to_numpy()
+        steps = pd.DataFrame({"step": np.arange(1, len(ends), dtype=np.int64),
+                              "start": ends[:-1], "end": ends[1:]})
+        warnings.append("no ProfilerStep#N markers: steps taken between Optimizer.step ends")
+        return steps, "optimizer_step", warnings
+    return pd.DataFrame({c: pd.Series(dtype=np.float64) for c in STEP_COLUMNS}), "none", warnings
+
+
+def _bytes_of(args: dict) -> float:
+    """Message size in bytes from record_param_comms / kernel args or Input Dims + type."""
+    n = args.get("In msg nelems")
+    dtype = args.get("dtype")
+    if isinstance(n, (int, float)) and n > 0:
+        size = _DTYPE_BYTES.get(str(dtype).lower(), 4)
+        return float(n) * size
+    dims = args.get("Input Dims")
+    types = args.get("Input type")
+    if isinstance(dims, list) and dims:
+        first = dims[0]
+        while isinstance(first, list) and first and isinstance(first[0], list):
+            first = first[0]
+        if isinstance(first, list) and all(isinstance(x, int) for x in first):
+            numel = float(np.prod(first)) if first else 1.0
+            t = types[0] if isinstance(types, list) and types else "float"
+            return numel * _DTYPE_BYTES.get(str(t).lower(), 4)
+    return float("nan")
+
+
+def _assign_steps(ts: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """Step number of each timestamp, or -1 when it falls outside every step."""
+    if len(steps) == 0 or ts.size == 0:
+        return np.full(ts.size, -1, dtype=np.int64)
+    starts = steps["start"].to_numpy()
+    ends = steps["end"].to_numpy()
+    i = np.searchsorted(starts, ts, side="right") - 1
+    ok = (i >= 0) & (ts < ends[np.clip(i, 0, None)])
+    out = np.full(ts.size, -1, dtype=np.int64)
+    out[ok] = steps["step"].to_numpy()[i[ok]]
+    return out
+
+
+def _collectives(trace: RankTrace, is_gpu: bool, steps: pd.DataFrame, comm_tids: set[str]) -> pd.DataFrame:
+    ev = trace.events
+    args = trace.comm_args
+    if is_gpu:
+        sel = ev[_kind_mask(ev, KIND_COMM_KERNEL)].sort_values("ts")
+        arrival = sel["ts"].to_numpy()
+        # sizes and process group: on the kernel itself (new traces) or on the
+        # record_param_comms op that launched it (same External id)
+        rpc = ev[_kind_mask(ev, KIND_CPU_OP) & (ev["name"] == "record_param_comms").to_numpy()]
+        by_ext = {}
+        for row, ext in zip(rpc.index, rpc["ext"]):
+            if ext >= 0 and row in args.index:
+                by_ext[ext] = args.loc[row].dropna().to_dict()
+        meta = []
+        for row, ext in zip(sel.index, sel["ext"]):
+            a = args.loc[row].dropna().to_dict() if row in args.index else {}
+            if "In msg nelems" not in a and ext in by_ext:
+                a = {**by_ext[ext], **a}
+            meta.append(a)
+        names = sel["name"].astype(str).str.replace(r"\(.*$", "", regex=True).to_numpy()
+        ends = (sel["ts"] + sel["dur"]).to_numpy()
+        rows = sel.index.to_numpy()
+    else:
+        mask = _names_matching(ev, CPU_COMM_TRANSFER) & _kind_mask(ev, KIND_ANNOTATION, KIND_CPU_OP)
+        sel = ev[mask].sort_values("ts")
+        enq = ev[_names_matching(ev, re.compile(r"^c10d::")) & _kind_mask(ev, KIND_CPU_OP)]
+        enq = enq[~enq["tid"].astype(str).isin(comm_tids)].sort_values("ts")
+        arrival = sel["ts"].to_numpy().copy()
+        if len(enq) == len(sel) and len(sel):
+            # gloo runs each op on a runloop thread, possibly queued behind the previous
+            # one: the main thread's enqueue is when this rank was ready
+            arrival = np.minimum(arrival, enq["ts"].to_numpy())
+        meta = [args.loc[row].dropna().to_dict() if row in args.index else {} for row in sel.index]
+        names = sel["name"].astype(str).to_numpy()
+        ends = (sel["ts"] + sel["dur"]).to_numpy()
+        rows = sel.index.to_numpy()
+    pg = np.array([str(m.get("Process Group Name", "default")) for m in meta], dtype=object)
+    nbytes = np.array([_bytes_of(m) for m in meta], dtype=np.float64)
+    step = _assign_steps(arrival, steps)
+    df = pd.DataFrame({"step": step, "pg": pg, "name": names, "arrival": arrival, "end": ends,
+                       "bytes": nbytes, "row": rows})
+    df["seq"] = df.groupby(["step", "pg"]).cumcount()
+    return df[list(COLLECTIVE_COLUMNS)]
+
+
+def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
+    ev = trace.events
+    warnings: list[str] = []
+    steps, source, w = find_steps(ev)
+    warnings += [f"rank {rank}: {x}" for x in w]
+    kinds = ev["kind"]
+    is_gpu = bool(kinds.isin([KIND_KERNEL, KIND_COMM_KERNEL]).any())
+    dl_mask = _names_matching(ev, DATALOADER) & _kind_mask(ev, KIND_ANNOTATION, KIND_CPU_OP)
+    dl = ev[dl_mask]
+    dataloader = union(dl["ts"], dl["ts"] + dl["dur"])
+
+    transfer = _names_matching(ev, CPU_COMM_TRANSFER)
+    comm_tids = set(ev.loc[transfer, "tid"].astype(str))
+    host_kinds = _kind_mask(ev, KIND_CPU_OP, KIND_ANNOTATION)
+    on_comm_thread = ev["tid"].astype(str).isin(comm_tids).to_numpy()
+    framing = _names_matching(ev, PROFILER_STEP) | dl_mask
+    cpu_comm = (transfer | _names_matching(ev, CPU_COMM_ENQUEUE)) & host_kinds
+    host = ev[host_kinds & ~on_comm_thread & ~framing & ~cpu_comm]
+    host_busy = union(host["ts"], host["ts"] + host["dur"])
+
+    if is_gpu:
+        work = ev[_kind_mask(ev, KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET)]
+        compute = union(work["ts"], work["ts"] + work["dur"])
+        ck = ev[_kind_mask(ev, KIND_COMM_KERNEL)]
+        comm = union(ck["ts"], ck["ts"] + ck["dur"])
+    else:
+        from diagnose.intervals import subtract
+
+        compute = subtract(host_busy, dataloader)
+        cc = ev[cpu_comm]
+        comm = union(cc["ts"], cc["ts"] + cc["dur"])
+    collectives = _collectives(trace, is_gpu, steps, comm_tids)
+    return RankTimeline(rank=rank, file=trace.path.name, is_gpu=is_gpu, step_source=source, steps=steps,
+                        compute=compute, comm=comm, dataloader=dataloader, host_busy=host_busy,
+                        collectives=collectives, warnings=tuple(warnings))
+
+
+def runtime_launch_delay(ev: pd.DataFrame) -> np.ndarray:
+    """Per kernel: its start minus the end of the runtime call that launched it (us)."""
+    k = ev[_kind_mask(ev, KIND_KERNEL, KIND_COMM_KERNEL)]
+    r = ev[_kind_mask(ev, KIND_RUNTIME)]
+    k = k[k["corr"] >= 0]
+    r = r[r["corr"] >= 0].drop_duplicates("corr")
+    m = k[["corr", "ts"]].merge(
+        pd.DataFrame({"corr": r["corr"].to_numpy(), "rend": (r["ts"] + r["dur"]).to_numpy()}), on="corr")
+    return (m["ts"] - m["rend"]).to_numpy()

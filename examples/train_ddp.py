@@ -1,0 +1,184 @@
+"""A small, real DDP training job that injects one pathology on demand.
+
+Runs on CPU with gloo (or CUDA with NCCL when available). Used by the tests,
+the demo and the benchmarks; it is also a template for a user's own script.
+
+    torchrun --nproc_per_node=2 examples/train_ddp.py --straggler-rank 1 --straggler-ms 50
+
+Presets (--pathology; explicit flags below override them):
+  none          a healthy run: compute dominates, one large all-reduce overlapped by DDP
+  dataloader    slow Dataset.__getitem__ with num_workers=0
+  straggler     rank 1 sleeps 50 ms before each backward
+  tiny-batch    micro-batch of 1 on a deep, narrow model: per-op overhead dominates
+  tiny-buckets  many small all-reduces (bucket_cap_mb tiny) on a wide model
+
+Pathology flags (all off by default: a healthy run):
+  --slow-getitem-ms MS      each Dataset.__getitem__ sleeps (dataloader starvation with --num-workers 0)
+  --straggler-rank R        rank R sleeps --straggler-ms before each backward (arrives late at all-reduce)
+  --batch-size small        with a wide model: tiny micro-batch, per-op overhead dominates
+  --bucket-cap-mb tiny      many small all-reduces
+  --trace-dir DIR           record torch.profiler traces there (as a user would, without the probes)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class SyntheticDataset(Dataset):
+    """Random regression data; optionally slow to fetch, like a dataset reading from a slow disk."""
+
+    def __init__(self, n: int, dim: int, slow_ms: float) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+        self.slow_s = slow_ms / 1000.0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        return self.x[i], self.y[i]
+
+
+PRESETS: dict[str, dict] = {
+    "none": {},
+    "dataloader": {"slow_getitem_ms": 0.5, "num_workers": 0},
+    "straggler": {"straggler_rank": 1, "straggler_ms": 50.0},
+    "tiny-batch": {"batch_size": 1, "dim": 32, "hidden": 32, "layers": 16, "repeat": 1},
+    "tiny-buckets": {"bucket_cap_mb": 0.01, "layers": 6, "repeat": 1},
+}
+DEFAULTS = {"steps": 12, "batch_size": 256, "dim": 256, "hidden": 512, "layers": 3, "repeat": 8, "num_workers": 0,
+            "slow_getitem_ms": 0.0, "straggler_rank": -1, "straggler_ms": 50.0, "bucket_cap_mb": 25.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pathology", choices=sorted(PRESETS), default="none")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--dim", type=int, help="input width")
+    p.add_argument("--hidden", type=int, help="hidden width")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--repeat", type=int, help="apply each hidden layer this many times (shared weights)")
+    p.add_argument("--num-workers", type=int)
+    p.add_argument("--pin-memory", action="store_true")
+    p.add_argument("--slow-getitem-ms", type=float)
+    p.add_argument("--straggler-rank", type=int)
+    p.add_argument("--straggler-ms", type=float)
+    p.add_argument("--bucket-cap-mb", type=float)
+    p.add_argument("--trace-dir", default=None, help="record torch.profiler traces here")
+    p.add_argument("--profile-wait", type=int, default=2)
+    p.add_argument("--profile-warmup", type=int, default=2)
+    p.add_argument("--profile-active", type=int, default=5)
+    p.add_argument("--exit-early-rank", type=int, default=-1, help="this rank exits after --exit-early-step")
+    p.add_argument("--exit-early-step", type=int, default=3)
+    args = p.parse_args(argv)
+    for key, value in {**DEFAULTS, **PRESETS[args.pathology]}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+class SharedBlock(nn.Module):
+    """A block applied `repeat` times with the same weights (as in ALBERT): more compute
+    per sample without more parameters to all-reduce."""
+
+    def __init__(self, width: int, repeat: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(width, width)
+        self.repeat = repeat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.repeat):
+            x = torch.relu(self.layer(x))
+        return x
+
+
+def build_model(args: argparse.Namespace) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(args.dim, args.hidden), nn.ReLU()]
+    for _ in range(args.layers - 1):
+        layers.append(SharedBlock(args.hidden, args.repeat))
+    layers.append(nn.Linear(args.hidden, 1))
+    return nn.Sequential(*layers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    use_cuda = torch.cuda.is_available()
+    if distributed:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        rank = dist.get_rank()
+    else:
+        rank = 0
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # ranks share a small host: keep them from fighting over cores
+
+    model = build_model(args).to(device)
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    n = args.batch_size * (args.steps + 2)
+    loader = DataLoader(
+        SyntheticDataset(n, args.dim, args.slow_getitem_ms),
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        pin_memory=args.pin_memory and use_cuda,
+        drop_last=True,
+    )
+
+    prof = None
+    if args.trace_dir:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if use_cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(
+                wait=args.profile_wait, warmup=args.profile_warmup, active=args.profile_active
+            ),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                args.trace_dir, worker_name=f"rank{rank}", use_gzip=True
+            ),
+            record_shapes=True,
+        )
+        prof.start()
+
+    loss_fn = nn.MSELoss()
+    step = 0
+    for x, y in loader:
+        if step >= args.steps:
+            break
+        if rank == args.exit_early_rank and step >= args.exit_early_step:
+            os._exit(0)  # a rank that dies mid-run, without cleanup
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        if rank == args.straggler_rank:
+            time.sleep(args.straggler_ms / 1000.0)  # a slow host, a noisy neighbour
+        loss.backward()
+        opt.step()
+        step += 1
+        if prof is not None:
+            prof.step()
+    if prof is not None:
+        prof.stop()
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

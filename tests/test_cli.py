@@ -1,0 +1,97 @@
+"""The CLI: bad input gives one clear line and exit 2; good input writes diagnosis.json."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from diagnose.cli import main
+from tests.conftest import shared
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def one_line_error(res, needle: str):
+    assert res.exit_code == 2, res.output
+    lines = [l for l in res.output.splitlines() if l.strip()]
+    assert len(lines) == 1, res.output
+    assert needle in lines[0]
+    assert "Traceback" not in res.output
+
+
+def test_missing_directory(tmp_path):
+    one_line_error(run_cli("analyze", str(tmp_path / "nope"), "--out", str(tmp_path / "o")), "nope")
+
+
+def test_directory_without_traces(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    one_line_error(run_cli("analyze", str(tmp_path), "--out", str(tmp_path / "o")), "no trace files")
+
+
+def test_truncated_gz_names_the_file(tmp_path):
+    raw = gzip.compress(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 1, "dur": 1}]
+                                    * 1000}).encode())
+    bad = tmp_path / "rank0.pt.trace.json.gz"
+    bad.write_bytes(raw[: len(raw) // 3])
+    one_line_error(run_cli("analyze", str(tmp_path), "--out", str(tmp_path / "o")), "rank0.pt.trace.json.gz")
+
+
+def test_non_trace_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"lr": 0.1}))
+    one_line_error(run_cli("analyze", str(tmp_path), "--out", str(tmp_path / "o")), "config.json")
+
+
+def test_not_json_names_the_file(tmp_path):
+    (tmp_path / "rank0.json").write_text("hello, world")
+    one_line_error(run_cli("analyze", str(tmp_path), "--out", str(tmp_path / "o")), "rank0.json")
+
+
+def test_stray_json_beside_traces_is_skipped_not_fatal(tmp_path):
+    src = shared("edge_hta_ddp_world1_v100")
+    for f in src.glob("*.gz"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "hparams.json").write_text("{}")
+    res = run_cli("analyze", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "o" / "diagnosis.json").read_text())
+    assert any("hparams.json" in s for s in out["skipped"])
+
+
+def test_diagnosis_json_contract(tmp_path):
+    res = run_cli("analyze", str(shared("param_dlrm_8rank_v100")), "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("VERDICT:")
+    d = json.loads((tmp_path / "diagnosis.json").read_text())
+    assert d["schema_version"] == "1.0"
+    for key in ("world_size", "backend", "device", "steps_analysed", "ranks_found", "ranks_missing"):
+        assert key in d["run"]
+    rec = [f["recoverable_ms"] for f in d["findings"]]
+    assert rec == sorted(rec, reverse=True)
+    for f in d["findings"]:
+        assert {"id", "title", "severity", "recoverable_ms", "share_of_step", "ranks", "fix", "confidence",
+                "metrics", "events"} <= f.keys()
+        assert f["severity"] in ("high", "medium", "low") and 0 <= f["share_of_step"] <= 1
+        for e in f["events"]:
+            assert {"rank", "file", "ts_us", "dur_us", "name"} <= e.keys()
+    assert [c["status"] for c in d["checks"]]
+    assert {c["status"] for c in d["checks"]} <= {"flagged", "passed", "not_measurable"}
+
+
+def test_real_subprocess_exit_codes(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "diagnose.cli", "analyze", str(shared("edge_hta_ddp_world1_v100")),
+                         "--out", str(tmp_path)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "no significant cause" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "diagnose.cli", "analyze", str(tmp_path / "missing")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_analyze_does_not_import_torch(tmp_path):
+    code = ("import sys; from diagnose.cli import main; from diagnose.pipeline import diagnose_paths; "
+            f"diagnose_paths([{str(shared('edge_hta_ddp_world1_v100'))!r}]); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
