@@ -1,0 +1,1 @@
+"""Human-facing reports rendered from diagnosis.json (see `reports.html`)."""

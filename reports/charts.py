@@ -1,0 +1,230 @@
+"""Plotly figures for the HTML report, built only from what diagnosis.json says.
+
+Every function takes plain dicts/lists (the JSON), tolerates missing or odd values,
+and returns a `go.Figure` or None when there is nothing honest to draw.
+"""
+from __future__ import annotations
+
+import html
+import math
+import re
+from collections import defaultdict
+
+import plotly.graph_objects as go
+
+# (breakdown key, legend label, colour, bar pattern). Okabe-Ito colours are
+# colour-blind safe; the patterns keep the stack readable in greyscale/print.
+COMPONENTS: tuple[tuple[str, str, str, str], ...] = (
+    ("compute_ms", "compute", "#0072B2", ""),
+    ("exposed_comm_ms", "exposed comm", "#E69F00", "/"),
+    ("straggler_wait_ms", "straggler wait", "#D55E00", "x"),
+    ("dataloader_ms", "dataloader wait", "#009E73", "."),
+    ("other_ms", "other / idle", "#9E9E9E", "\\"),
+)
+FLAGGED_COLOUR, OTHER_COLOUR = "#CC3311", "#BBBBBB"
+FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
+
+# Which breakdown component shows each finding per rank, when metrics carry no
+# per-rank numbers of their own.
+FINDING_COMPONENT = {
+    "dataloader_starvation": "dataloader_ms",
+    "exposed_communication": "exposed_comm_ms",
+    "straggler": "straggler_wait_ms",
+    "launch_overhead": "other_ms",
+}
+# Preferred per-rank metric suffix (metrics key rank<N>_<suffix>) per finding.
+FINDING_METRIC = {
+    "dataloader_starvation": "dataloader_ms",
+    "exposed_communication": "exposed_comm_ms",
+    "straggler": "mean_lateness_ms",
+}
+METRIC_TITLE = {
+    "dataloader_ms": "DataLoader wait per step, per rank (ms)",
+    "exposed_comm_ms": "Exposed communication per step, per rank (ms)",
+    "mean_lateness_ms": "Mean arrival lateness at collectives vs the median rank, per rank (ms)",
+}
+_RANK_KEY = re.compile(r"^rank(\d+)_(.+)$")
+
+
+def plot_text(s) -> str:
+    """Plotly renders labels as pseudo-HTML, so untrusted text is escaped there too."""
+    return html.escape(str(s), quote=False)
+
+
+def num(x) -> float | None:
+    """A finite float, or None for anything else (null, strings like 'not recorded')."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def _rank(x) -> int | None:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _pattern(shape) -> dict:
+    # Overlay a dark hatch on the fill colour: colour for screens, hatch for greyscale.
+    return {"shape": shape, "fillmode": "overlay", "fgcolor": "rgba(0,0,0,0.6)", "size": 7, "solidity": 0.2}
+
+
+def _bar_width(n: int) -> float | None:
+    # Plotly stretches one or two bars across the whole plot; keep them bar-shaped.
+    return 0.35 if n <= 2 else None
+
+
+def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
+    fig.update_layout(
+        title={"text": plot_text(title), "x": 0, "font": {"size": 14}},
+        template="none", height=height, font={"family": FONT, "size": 12, "color": "#222"},
+        margin={"l": 70, "r": 20, "t": 50, "b": 50}, paper_bgcolor="white", plot_bgcolor="white",
+        legend={"orientation": "h", "y": -0.2, "traceorder": "normal"}, **kw)
+    fig.update_xaxes(showgrid=False, linecolor="#888", automargin=True)
+    fig.update_yaxes(gridcolor="#e5e5e5", zeroline=True, zerolinecolor="#888", automargin=True)
+    return fig
+
+
+def mean_breakdown(breakdown: list) -> dict[int, dict[str, float]]:
+    """Mean of every component (and step_ms) per rank over the analysed steps."""
+    acc: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in breakdown or []:
+        r = _rank(row.get("rank")) if isinstance(row, dict) else None
+        if r is None:
+            continue
+        for key in ("step_ms", *(c[0] for c in COMPONENTS)):
+            v = num(row.get(key))
+            if v is not None:
+                acc[r][key].append(v)
+    return {r: {k: sum(v) / len(v) for k, v in comps.items()} for r, comps in sorted(acc.items())}
+
+
+def breakdown_bars(breakdown: list, ranks: list[int] | None = None) -> go.Figure | None:
+    """Stacked bars: where the mean step went, per rank."""
+    means = mean_breakdown(breakdown)
+    if ranks:
+        means = {r: m for r, m in means.items() if r in set(ranks)}
+    if not means:
+        return None
+    x = [f"rank {r}" for r in means]
+    fig = go.Figure()
+    for key, label, colour, shape in COMPONENTS:
+        fig.add_bar(x=x, y=[m.get(key, 0.0) for m in means.values()], name=label, width=_bar_width(len(x)),
+                    marker={"color": colour, "line": {"color": "#333", "width": 0.5},
+                            "pattern": _pattern(shape)},
+                    hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
+    return _layout(fig, "Mean step time per rank, by component (ms)", barmode="stack",
+                   yaxis={"title": {"text": "ms per step"}})
+
+
+def representative_step(breakdown: list) -> int | None:
+    """The median step number among those every rank has (the middle of the window)."""
+    by_rank: dict[int, set] = defaultdict(set)
+    for row in breakdown or []:
+        if isinstance(row, dict) and _rank(row.get("rank")) is not None and _rank(row.get("step")) is not None:
+            by_rank[_rank(row["rank"])].add(_rank(row["step"]))
+    if not by_rank:
+        return None
+    common = set.intersection(*by_rank.values()) or set.union(*by_rank.values())
+    steps = sorted(common)
+    return steps[len(steps) // 2]
+
+
+def step_composition(breakdown: list) -> tuple[go.Figure | None, int | None]:
+    """One step per rank as a horizontal lane, components stacked left to right.
+
+    Event-level lanes are not in the JSON, so this shows the composition of the
+    step, not the order things happened in; the title says so.
+    """
+    step = representative_step(breakdown)
+    rows = {}
+    for row in breakdown or []:
+        if isinstance(row, dict) and _rank(row.get("step")) == step and _rank(row.get("rank")) is not None:
+            rows.setdefault(_rank(row["rank"]), row)
+    if not rows:
+        return None, None
+    ranks = sorted(rows, reverse=True)  # rank 0 on top, like Perfetto
+    y = [f"rank {r}" for r in ranks]
+    fig = go.Figure()
+    for key, label, colour, shape in COMPONENTS:
+        fig.add_bar(y=y, x=[num(rows[r].get(key)) or 0.0 for r in ranks], name=label, orientation="h",
+                    width=0.6 if len(y) <= 2 else None,
+                    marker={"color": colour, "line": {"color": "#333", "width": 0.5},
+                            "pattern": _pattern(shape)},
+                    hovertemplate=f"%{{y}}<br>{label}: %{{x:.2f}} ms<extra></extra>")
+    height = max(180, min(1400, 110 + 26 * len(ranks)))
+    # No x-axis title: the legend sits below and would collide with it; the unit is in the title.
+    return _layout(fig, f"Composition of one step (step {step}) per rank, ms — totals, not time order",
+                   height=height, barmode="stack"), step
+
+
+def per_rank_metric(metrics: dict) -> dict[str, dict[int, float]]:
+    """Group metrics keys like rank7_mean_lateness_ms into {suffix: {rank: value}}."""
+    out: dict[str, dict[int, float]] = defaultdict(dict)
+    for key, v in (metrics or {}).items():
+        m = _RANK_KEY.match(str(key))
+        if m and num(v) is not None:
+            out[m.group(2)][int(m.group(1))] = num(v)
+    return dict(out)
+
+
+def rank_bars(values: dict[int, float], flagged: list[int], title: str, unit: str) -> go.Figure | None:
+    """Per-rank bars; the finding's ranks are coloured AND hatched (readable without colour)."""
+    if not values:
+        return None
+    ranks = sorted(values)
+    hit = set(flagged or [])
+    x = [f"rank {r}" + (" (flagged)" if r in hit else "") for r in ranks]
+    fig = go.Figure(go.Bar(
+        x=x, y=[values[r] for r in ranks], width=_bar_width(len(x)),
+        marker={"color": [FLAGGED_COLOUR if r in hit else OTHER_COLOUR for r in ranks],
+                "line": {"color": "#333", "width": 0.5},
+                "pattern": _pattern(["/" if r in hit else "" for r in ranks])},
+        hovertemplate=f"%{{x}}: %{{y:.3f}} {unit}<extra></extra>"))
+    return _layout(fig, title, showlegend=False, yaxis={"title": {"text": unit}})
+
+
+def lateness_heatmap(lateness: dict) -> go.Figure | None:
+    """Rank x collective arrival lateness (ms; positive = later than the median rank)."""
+    if not isinstance(lateness, dict):
+        return None
+    ranks, cols, z = lateness.get("ranks"), lateness.get("collectives"), lateness.get("lateness_ms")
+    if not (isinstance(ranks, list) and isinstance(cols, list) and isinstance(z, list)) or not ranks or not cols:
+        return None
+    if len(z) != len(ranks) or any(not isinstance(row, list) or len(row) != len(cols) for row in z):
+        return None  # a malformed matrix would draw something misleading
+    z = [[num(v) for v in row] for row in z]
+    big = len(ranks) * len(cols) > 400  # cell labels only while they stay legible
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[plot_text(c) for c in cols], y=[f"rank {plot_text(r)}" for r in ranks],
+        colorscale="RdBu_r", zmid=0, colorbar={"title": {"text": "ms late"}},
+        texttemplate=None if big else "%{z:.2f}", xgap=1, ygap=1,
+        hovertemplate="%{y}, collective %{x}<br>%{z:.3f} ms vs median rank<extra></extra>"))
+    height = max(260, min(1400, 120 + 28 * len(ranks)))
+    return _layout(fig, "Arrival lateness at each collective (ms after the median rank; step:group:seq)",
+                   height=height, xaxis={"type": "category", "tickangle": -45},
+                   yaxis={"autorange": "reversed", "type": "category"})
+
+
+def finding_charts(finding: dict, breakdown: list, extras: dict) -> list[go.Figure]:
+    """The charts that back one finding, most specific first; never empty if data exists."""
+    fid = str(finding.get("id", ""))
+    ranks = [r for r in (_rank(x) for x in finding.get("ranks") or []) if r is not None]
+    per_rank = per_rank_metric(finding.get("metrics") or {})
+    figs: list[go.Figure | None] = []
+    if fid == "straggler":
+        figs.append(lateness_heatmap((extras or {}).get("lateness")))
+    suffix = FINDING_METRIC.get(fid)
+    if suffix in per_rank:
+        figs.append(rank_bars(per_rank[suffix], ranks, METRIC_TITLE.get(suffix, suffix),
+                              "ms" if suffix.endswith("_ms") else ""))
+    elif fid in FINDING_COMPONENT:
+        key = FINDING_COMPONENT[fid]
+        label = next(c[1] for c in COMPONENTS if c[0] == key)
+        vals = {r: m[key] for r, m in mean_breakdown(breakdown).items() if key in m}
+        figs.append(rank_bars(vals, ranks, f"Mean {label} per step, per rank (ms, from the step breakdown)", "ms"))
+    figs = [f for f in figs if f is not None]
+    if not figs:  # unknown finding kind or no per-rank numbers: the affected ranks' breakdown
+        figs.append(breakdown_bars(breakdown, ranks) or breakdown_bars(breakdown))
+    return [f for f in figs if f is not None]

@@ -1,0 +1,203 @@
+"""The HTML report on real diagnoses: verdict first, evidence per finding, offline, XSS-safe."""
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from reports.html import _plotly_js, render, write_report
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+SETS = ["param_dlrm_8rank_v100", "kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4",
+        "hta_sampled_2rank_of128", "edge_hta_ddp_world1_v100"]
+HEALTHY = {"kineto_resnet50_dataloader_v100/nw4", "edge_hta_ddp_world1_v100"}
+
+# Each payload, if it ever ran, would leave a mark the browser test looks for.
+HOSTILE = {
+    "script": "<script>document.body.dataset.pwned='script';document.title='PWNED'</script>",
+    "img": "\"><img src=x onerror=\"document.body.dataset.pwned='img'\">",
+    "svg": "'><svg onload=document.body.dataset.pwned='svg'>",
+    "close": "</script><script>document.body.dataset.pwned='close'</script>",
+}
+
+
+def trace_set(name: str) -> Path:
+    p = TRACES / name
+    if not p.exists():
+        pytest.skip(f"shared trace set {name} not found at {p} (clone without ../shared)")
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _diagnosis(name: str):
+    from diagnose.pipeline import diagnose_paths
+    return diagnose_paths([trace_set(name)])
+
+
+def diagnosis_json(name: str) -> dict:
+    from diagnose.output import diagnosis_dict
+    return diagnosis_dict(_diagnosis(name))
+
+
+def hostile_diagnosis() -> dict:
+    """The real DLRM diagnosis with attacker-controlled text wherever trace text lands."""
+    d = copy.deepcopy(diagnosis_json("param_dlrm_8rank_v100"))
+    h = HOSTILE
+    ev = d["findings"][0]["events"][0]
+    ev["name"], ev["file"], ev["note"] = h["script"], h["img"], h["svg"]
+    d["findings"][0]["title"] = h["close"]
+    d["findings"][0]["metrics"][h["img"]] = h["script"]
+    d["warnings"] = [h["img"], h["close"]]
+    d["skipped"] = [h["svg"] + ": unreadable"]
+    d["run"]["device_name"] = h["script"]
+    d["run"]["backend"] = h["img"]
+    d["run"]["files"]["0"] = h["close"]
+    d["checks"][0]["reason"] = h["svg"]
+    if d["extras"].get("lateness"):
+        d["extras"]["lateness"]["collectives"][0] = h["close"]
+    return d
+
+
+class Page(HTMLParser):
+    """Elements with their attributes and the section/finding they sit in, plus the verdict text."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict, str | None]] = []
+        self.scripts: list[str] = []
+        self._stack: list[tuple[str, str | None]] = []
+        self.section_text: dict[str, str] = {}
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        parent = self._stack[-1][1] if self._stack else None
+        here = a.get("id") if tag == "section" else parent
+        self.elements.append((tag, a, here))
+        if tag not in {"meta", "br", "img", "link", "input", "hr"}:
+            self._stack.append((tag, here))
+
+    def handle_endtag(self, tag):
+        while self._stack:
+            if self._stack.pop()[0] == tag:
+                break
+
+    def handle_data(self, data):
+        if self._stack and self._stack[-1][0] == "script":
+            self.scripts.append(data)
+        elif self._stack and self._stack[-1][1]:
+            sid = self._stack[-1][1]
+            self.section_text[sid] = self.section_text.get(sid, "") + data
+
+    def in_section(self, sid: str, tag: str, cls: str | None = None) -> list[dict]:
+        return [a for t, a, s in self.elements if s == sid and t == tag
+                and (cls is None or cls in (a.get("class") or "").split())]
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_verdict_names_the_top_cause(name):
+    d = diagnosis_json(name)
+    page = Page(render(d))
+    verdict = page.section_text["verdict"]
+    if name in HEALTHY:
+        assert not d["findings"]
+        assert "No significant cause found" in verdict
+    else:
+        assert d["findings"][0]["title"] in verdict
+        assert "No significant cause" not in verdict
+    assert page.in_section("verdict", "dl", "facts")
+    assert [a for t, a, _ in page.elements if t == "table" and a.get("id") == "causes"] or not d["findings"]
+    # the breakdown is shown even when nothing is flagged
+    assert len([a for t, a, _ in page.elements if t == "div" and "chart" in (a.get("class") or "").split()]) >= 1
+
+
+@pytest.mark.parametrize("name", [s for s in SETS if s not in HEALTHY])
+def test_every_finding_has_a_chart_and_evidence(name):
+    d = diagnosis_json(name)
+    page = Page(render(d))
+    assert d["findings"]
+    for i, f in enumerate(d["findings"], 1):
+        sid = f"finding-{i}"
+        assert page.in_section(sid, "div", "chart"), f"no chart for {f['id']}"
+        assert page.in_section(sid, "table", "evidence"), f"no evidence table for {f['id']}"
+        assert f["method"] in page.section_text[sid]
+
+
+def test_checklist_is_in_order_with_text_labels():
+    d = diagnosis_json("param_dlrm_8rank_v100")
+    text = render(d)
+    labels = re.findall(r'<span class="status status-\w+">\S* ([A-Z ]+)</span>', text)
+    want = {"flagged": "FLAGGED", "passed": "PASSED", "not_measurable": "NOT MEASURABLE"}
+    assert labels == [want[c["status"]] for c in d["checks"]]
+    positions = [text.index(c["reason"]) for c in d["checks"]]
+    assert positions == sorted(positions)
+
+
+def test_run_facts_say_ranks_found_of_world_size():
+    d = diagnosis_json("hta_sampled_2rank_of128")
+    verdict = Page(render(d)).section_text["verdict"]
+    assert "2 of 128 ranks" in verdict
+    assert "missing: 2–127" in verdict
+
+
+@pytest.mark.parametrize("name", ["param_dlrm_8rank_v100", "edge_hta_ddp_world1_v100"])
+def test_self_contained_and_plotly_once(name):
+    text = render(diagnosis_json(name))
+    assert text.count(_plotly_js()[:300]) == 1
+    assert "<script src" not in text.lower() and "<link " not in text.lower()
+    page = Page(text)
+    for tag, a, _ in page.elements:
+        for attr in ("src", "href"):
+            v = a.get(attr)
+            assert v is None or v.startswith("#"), f"<{tag} {attr}={v!r}> points outside the page"
+    # nothing big besides plotly.js
+    assert len(text.encode()) - len(_plotly_js().encode()) < 300_000
+
+
+def test_hostile_strings_are_inert():
+    d = hostile_diagnosis()
+    text = render(d)
+    for payload in HOSTILE.values():
+        assert payload not in text
+    page = Page(text)
+    tags = [t for t, _, _ in page.elements]
+    assert "img" not in tags and "svg" not in tags
+    assert tags.count("script") == 3  # error hook, plotly.js, charts: nothing injected
+    assert not [(t, k) for t, a, _ in page.elements for k in a if k.startswith("on")]
+    assert all("</script" not in s.lower() for s in page.scripts)
+    # ... and still shown to the reader, as text
+    assert HOSTILE["script"] in page.section_text["verdict"]
+    assert HOSTILE["script"] in page.section_text["finding-1"]
+
+
+@pytest.mark.parametrize("bad", [
+    {},
+    {"findings": None, "checks": "x", "breakdown": [None, {"rank": "a"}], "run": [], "extras": None},
+    {"findings": [None, {"id": "mystery", "ranks": ["x", 3], "metrics": {"rank3_foo": "n/a"}}],
+     "breakdown": [{"rank": 0, "step": 1, "step_ms": None, "compute_ms": "7"}],
+     "extras": {"lateness": {"ranks": [0], "collectives": ["a", "b"], "lateness_ms": [[1.0]]}, "future": {"x": 1}},
+     "checks": [{"id": "new_check", "status": "weird"}], "warnings": [1, None]},
+])
+def test_never_crashes_on_odd_input(bad):
+    text = render(bad)
+    assert text.startswith("<!DOCTYPE html>")
+
+
+def test_unknown_keys_are_ignored_and_nulls_shown_as_dash():
+    d = copy.deepcopy(diagnosis_json("param_dlrm_8rank_v100"))
+    d["extras"]["scaling"] = {"anything": [1, 2]}
+    d["findings"][0]["recoverable_ms"] = None
+    d["findings"][0]["events"][0]["dur_us"] = None
+    assert "<!DOCTYPE html>" in render(d)
+
+
+def test_write_report_writes_report_html(tmp_path):
+    path = write_report(_diagnosis("param_dlrm_8rank_v100"), tmp_path)
+    assert path == tmp_path / "report.html"
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
+    assert not [p for p in tmp_path.iterdir() if p.name != "report.html"]  # no temp file left behind

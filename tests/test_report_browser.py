@@ -1,0 +1,81 @@
+"""The report in a real browser: charts draw, no JS errors, hostile trace text never runs."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from reports.html import render
+
+try:  # `python -m pytest` puts the repo root on sys.path; plain `pytest` puts tests/ there
+    from tests.test_report import diagnosis_json, hostile_diagnosis
+except ImportError:
+    from test_report import diagnosis_json, hostile_diagnosis
+
+pytestmark = pytest.mark.browser
+
+
+def chromium() -> str:
+    exe = "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else shutil.which("chromium")
+    if not exe:
+        pytest.skip("chromium not installed: apt-get install -y chromium")
+    return exe
+
+
+def run_chromium(page: Path, tmp: Path, *mode: str) -> subprocess.CompletedProcess:
+    # Everything that could reach the network is off: the report must work offline.
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp / 'profile'}", "--virtual-time-budget=5000", *mode, page.as_uri()]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def body_attrs(dom: str) -> dict[str, str]:
+    m = re.search(r"<body([^>]*)>", dom)
+    assert m, "no <body> in the dumped DOM"
+    return dict(re.findall(r'([\w-]+)="([^"]*)"', m.group(1)))
+
+
+def dump(report: dict, tmp: Path) -> tuple[str, dict[str, str]]:
+    page = tmp / "report.html"
+    page.write_text(render(report), encoding="utf-8")
+    res = run_chromium(page, tmp, "--dump-dom")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout, body_attrs(res.stdout)
+
+
+def assert_charts_drew(dom: str, attrs: dict[str, str]) -> None:
+    assert "data-js-errors" not in attrs, attrs.get("data-js-error-text")
+    containers = len(re.findall(r'<div class="chart[ "]', dom))
+    assert containers >= 1
+    assert attrs.get("data-charts-expected") == str(containers)
+    assert attrs.get("data-charts-rendered") == str(containers)
+    # Plotly marks each drawn plot; every container must have become one.
+    assert len(re.findall(r'class="chart js-plotly-plot"', dom)) == containers
+
+
+def test_dlrm_report_renders(tmp_path):
+    dom, attrs = dump(diagnosis_json("param_dlrm_8rank_v100"), tmp_path)
+    assert_charts_drew(dom, attrs)
+    assert 'id="causes"' in dom and 'id="verdict"' in dom
+
+
+def test_dlrm_report_screenshot(tmp_path):
+    page = tmp_path / "report.html"
+    page.write_text(render(diagnosis_json("param_dlrm_8rank_v100")), encoding="utf-8")
+    shot = tmp_path / "shot.png"
+    res = run_chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1400,2000")
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 50_000  # a blank 1400x2000 page is a few KB
+
+
+def test_hostile_report_runs_nothing(tmp_path):
+    dom, attrs = dump(hostile_diagnosis(), tmp_path)
+    assert "data-pwned" not in attrs
+    assert "<title>PWNED" not in dom
+    assert not re.search(r"<img[\s>]", dom)
+    assert_charts_drew(dom, attrs)  # the hostile labels did not break the charts either
