@@ -23,13 +23,19 @@ def main() -> None:
 
 def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
+    try:
+        analyze_outputs(paths, out, max_trace_gb, jobs)
+    except DiagnoseError as exc:
+        fail(str(exc))
+    return 0
+
+
+def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None) -> None:
+    """The shared tail of every diagnosing command; raises DiagnoseError on bad input."""
     from diagnose.output import terminal_summary, write_json
     from diagnose.pipeline import diagnose_paths
 
-    try:
-        d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs)
-    except DiagnoseError as exc:
-        fail(str(exc))
+    d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs)
     try:
         write_json(d, out)
         written = [out / "diagnosis.json"]
@@ -40,11 +46,10 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
         if write_report is not None:
             written.append(write_report(d, out))
     except OSError as exc:
-        fail(f"{out}: cannot write outputs ({exc.strerror or exc})")
+        raise DiagnoseError(f"cannot write outputs ({exc.strerror or exc})", out) from None
     click.echo(terminal_summary(d))
     click.echo("")
     click.echo("wrote " + ", ".join(str(p) for p in written))
-    return 0
 
 
 @main.command()
@@ -56,6 +61,27 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
 def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
     sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs))
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--out", "out", default="diagnosis", show_default=True, type=click.Path(path_type=Path),
+              help="Run directory: traces/ (per-rank traces and sidecars), diagnosis.json, report.html.")
+@click.option("--schedule", default="2,2,5", show_default=True,
+              help="Profiler schedule wait,warmup,active[,repeat] in steps; 'off' for timings only.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(out: Path, schedule: str, command: tuple[str, ...]) -> None:
+    """Run an unmodified training command with the probes, then diagnose it.
+
+    \b
+    diagnose run --out runs/exp1 -- torchrun --nproc_per_node=4 train.py --lr 0.1
+    diagnose run -- python train.py
+
+    Exits with the training command's exit code.
+    """
+    from diagnose.launch import run_with_probes
+
+    code = run_with_probes(list(command), out, schedule)
+    sys.exit(code)
 
 
 def _free_port() -> int:

@@ -1,0 +1,65 @@
+"""`diagnose run`: launch a user's command with the probes injected, then diagnose it.
+
+The probes ride in through PYTHONPATH: `probes/bootstrap/sitecustomize.py` is
+imported by every Python process of the job (torchrun's workers included) and
+installs the hooks once the script imports torch. Nothing in the user's script
+changes. This module imports no torch itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from diagnose.errors import DiagnoseError
+
+
+def bootstrap_dir() -> Path:
+    import probes
+
+    return Path(probes.__file__).resolve().parent / "bootstrap"
+
+
+def probe_env(traces: Path, schedule: str, base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    boot = str(bootstrap_dir())
+    # the probes package itself must be importable from the job, wherever it runs from
+    pkg_root = str(bootstrap_dir().parent.parent)
+    parts = [boot, pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["DIAGNOSE_PROBE_DIR"] = str(traces.resolve())
+    env["DIAGNOSE_PROBE_SCHEDULE"] = schedule
+    return env
+
+
+def run_with_probes(command: list[str], out: Path, schedule: str) -> int:
+    """Run `command` under the probes, analyse what it wrote; return the command's exit code."""
+    traces = out / "traces"
+    try:
+        traces.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        click.echo(f"diagnose: warning: cannot create {traces} ({exc.strerror}); running without probes", err=True)
+        return subprocess.call(command)
+    env = probe_env(traces, schedule)
+    try:
+        proc = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        click.echo(f"diagnose: error: cannot start {command[0]!r}: {exc.strerror or exc}", err=True)
+        return 127
+    # Ctrl-C goes to the whole process group already; forward SIGTERM so the job can clean up
+    prev = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+    try:
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+    from diagnose.cli import analyze_outputs
+
+    try:
+        analyze_outputs([str(traces)], out)
+    except DiagnoseError as exc:
+        click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
+    return code

@@ -1,0 +1,241 @@
+"""The per-rank probe: every-step timings, collective timings, profiler windows, sidecars.
+
+Contract with the job it watches: a probe never raises into user code, never
+blocks on I/O it does not own, and never issues a collective or a barrier (ranks
+may diverge; a probe must not be what hangs them). Every failure is logged once,
+and the failing part switches itself off while training continues.
+
+Files written in `out_dir` (all per rank, all atomic or append-only):
+- `rank{R}.steps.jsonl`  one JSON line per step, flushed every step (survives a killed rank)
+- `rank{R}.probe.json`   run metadata + summary, rewritten atomically (temp file + rename)
+- `rank{R}.{stamp}.pt.trace.json.gz`  torch.profiler traces of the scheduled windows
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("diagnose.probes")
+
+
+@dataclass(slots=True)
+class Schedule:
+    """torch.profiler schedule: skip `wait` steps, warm up `warmup`, record `active`; `repeat` cycles (0 = forever)."""
+
+    wait: int = 2
+    warmup: int = 2
+    active: int = 5
+    repeat: int = 1
+    enabled: bool = True
+
+    @classmethod
+    def parse(cls, text: str | None) -> Schedule:
+        """'2,2,5' or '2,2,5,1' or 'off'."""
+        if not text:
+            return cls()
+        if text.strip().lower() in ("0", "off", "none", "light"):
+            return cls(enabled=False)
+        parts = [int(x) for x in text.split(",")]
+        return cls(*parts[:4])
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    start: float
+    """Wall-clock (time.time) at the step's start: comparable across ranks on one host."""
+    dur_ms: float
+    dataloader_ms: float
+    comm_ms: float
+    collectives: list = field(default_factory=list)
+    """[name, arrival offset ms from step start, duration ms, bytes, group] per collective."""
+
+
+class Probe:
+    """One rank's probe. Create with `Probe.for_this_process(out_dir)`; drive with
+    `on_data_wait`, `on_collective`, `on_step` (the API and the launcher both do)."""
+
+    def __init__(self, out_dir: str | Path, rank: int, world_size: int, schedule: Schedule | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.rank = rank
+        self.world_size = world_size
+        self.schedule = schedule or Schedule()
+        self.step = 0
+        self._t0 = time.perf_counter()
+        self._wall0 = time.time()
+        self._dl_ms = 0.0
+        self._comm_ms = 0.0
+        self._colls: list = []
+        self._lock = threading.Lock()  # comm-hook futures complete on other threads
+        self._failed: set[str] = set()
+        self._steps_file = None
+        self._profiler = None
+        self._traces_written = 0
+        self.meta: dict = {}
+        self._summary = {"steps": 0, "dataloader_ms": 0.0, "comm_ms": 0.0, "step_ms": 0.0}
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._fail("output", exc)
+
+    # ---- safety -------------------------------------------------------------------
+    def _fail(self, part: str, exc: BaseException) -> None:
+        if part not in self._failed:
+            self._failed.add(part)
+            log.warning("diagnose probe (rank %s): %s disabled after error: %s; training continues",
+                        self.rank, part, exc)
+
+    def ok(self, part: str) -> bool:
+        return part not in self._failed and "output" not in self._failed
+
+    # ---- events from the training loop --------------------------------------------
+    def on_data_wait(self, seconds: float) -> None:
+        self._dl_ms += seconds * 1000.0
+
+    def on_collective(self, name: str, start: float, end: float, nbytes: int, group: str) -> None:
+        """start/end are time.perf_counter() values; end may be the enqueue time of an async op."""
+        try:
+            with self._lock:
+                dur = (end - start) * 1000.0
+                self._comm_ms += dur
+                if len(self._colls) < 4096:  # bound memory if a step issues a flood of tiny ops
+                    self._colls.append([name, round((start - self._t0) * 1000.0, 4), round(dur, 4), int(nbytes),
+                                        group])
+        except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
+            self._fail("collectives", exc)
+
+    def on_step(self) -> None:
+        """Step boundary (after optimizer.step, or the user's `w.step()`)."""
+        now = time.perf_counter()
+        try:
+            with self._lock:
+                rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round((now - self._t0) * 1000.0, 4),
+                                 dataloader_ms=round(self._dl_ms, 4), comm_ms=round(self._comm_ms, 4),
+                                 collectives=self._colls)
+                self._colls = []
+            self._write_step(rec)
+            s = self._summary
+            s["steps"] += 1
+            s["dataloader_ms"] += rec.dataloader_ms
+            s["comm_ms"] += rec.comm_ms
+            s["step_ms"] += rec.dur_ms
+        except Exception as exc:  # noqa: BLE001
+            self._fail("step log", exc)
+        self._profiler_step()
+        self.step += 1
+        self._dl_ms = 0.0
+        self._comm_ms = 0.0
+        self._t0 = time.perf_counter()
+        self._wall0 = time.time()
+
+    # ---- files ------------------------------------------------------------------
+    def _write_step(self, rec: StepRecord) -> None:
+        if not self.ok("step log"):
+            return
+        if self._steps_file is None:
+            self._steps_file = open(self.out_dir / f"rank{self.rank}.steps.jsonl", "a", buffering=1 << 16)
+        f = self._steps_file
+        f.write(json.dumps({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
+                            rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives},
+                           separators=(",", ":")) + "\n")
+        f.flush()  # one write syscall per step: a killed rank leaves every finished step readable
+
+    def write_sidecar(self, final: bool = False) -> None:
+        if not self.ok("sidecar"):
+            return
+        try:
+            body = {"format": "diagnose-probe/1", "rank": self.rank, "world_size": self.world_size,
+                    "final": final, "schedule": {"wait": self.schedule.wait, "warmup": self.schedule.warmup,
+                                                 "active": self.schedule.active, "repeat": self.schedule.repeat,
+                                                 "enabled": self.schedule.enabled},
+                    "meta": self.meta, "summary": self._summary, "traces_written": self._traces_written,
+                    "disabled_parts": sorted(self._failed)}
+            atomic_write(self.out_dir / f"rank{self.rank}.probe.json", json.dumps(body, indent=1).encode())
+        except Exception as exc:  # noqa: BLE001
+            self._fail("sidecar", exc)
+
+    # ---- profiler -----------------------------------------------------------------
+    def start_profiler(self) -> None:
+        if not self.schedule.enabled or self._profiler is not None or not self.ok("profiler"):
+            return
+        try:
+            import torch
+
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            sch = self.schedule
+            self._profiler = torch.profiler.profile(
+                activities=acts,
+                schedule=torch.profiler.schedule(wait=sch.wait, warmup=sch.warmup, active=sch.active,
+                                                 repeat=sch.repeat),
+                on_trace_ready=self._export_trace, record_shapes=True)
+            self._profiler.start()
+        except Exception as exc:  # noqa: BLE001
+            self._profiler = None
+            self._fail("profiler", exc)
+
+    def _profiler_step(self) -> None:
+        if self._profiler is None:
+            return
+        try:
+            self._profiler.step()
+        except Exception as exc:  # noqa: BLE001
+            self._fail("profiler", exc)
+            self._profiler = None
+
+    def _export_trace(self, prof) -> None:
+        if not self.ok("trace export"):
+            return
+        try:
+            stamp = f"{int(time.time() * 1000)}"
+            final = self.out_dir / f"rank{self.rank}.{stamp}.pt.trace.json.gz"
+            fd, raw = tempfile.mkstemp(dir=self.out_dir, prefix=f".rank{self.rank}.", suffix=".json")
+            os.close(fd)
+            try:
+                prof.export_chrome_trace(raw)
+                tmp_gz = raw + ".gz"
+                with open(raw, "rb") as src, gzip.open(tmp_gz, "wb", compresslevel=3) as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                os.replace(tmp_gz, final)  # readers see a whole trace or none
+            finally:
+                for p in (raw, raw + ".gz"):
+                    Path(p).unlink(missing_ok=True)
+            self._traces_written += 1
+        except Exception as exc:  # noqa: BLE001
+            self._fail("trace export", exc)
+
+    def close(self) -> None:
+        if self._profiler is not None:
+            try:
+                self._profiler.stop()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("profiler", exc)
+            self._profiler = None
+        if self._steps_file is not None:
+            try:
+                self._steps_file.close()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("step log", exc)
+            self._steps_file = None
+        self.write_sidecar(final=True)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

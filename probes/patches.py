@@ -1,0 +1,237 @@
+"""Hooks that feed a Probe from an unmodified training script.
+
+- DataLoader.__iter__: the returned iterator is wrapped so each `next()` is timed
+  (time blocked waiting for a batch).
+- Optimizer step post-hook (torch's global hook): the step boundary.
+- torch.distributed collectives: wrapped to record arrival, duration, bytes, group.
+- DistributedDataParallel: a timing comm hook around the default all-reduce, registered
+  lazily at the first forward so a user's own `register_comm_hook` call still works
+  (theirs is wrapped with the same timing instead).
+
+Every wrapper calls the original first-class function and swallows only its own errors.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+from probes.core import Probe
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
+               "barrier", "send", "recv", "_all_gather_base", "_reduce_scatter_base")
+_MARK = "__diagnose_probe__"
+# Set while a DDP comm hook runs: the all-reduce it issues is the bucket's, timed once.
+_inside_hook = threading.local()
+
+
+def _nbytes(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(x) for x in obj[:1024])
+    return 0
+
+
+def _group_name(kwargs) -> str:
+    g = kwargs.get("group")
+    if g is None:
+        return "default"
+    try:
+        import torch.distributed as dist
+
+        return str(dist.distributed_c10d._get_process_group_name(g))
+    except Exception:  # noqa: BLE001
+        return "group"
+
+
+class _TimedIter:
+    """Iterator proxy timing each next(); everything else passes through."""
+
+    def __init__(self, it, probe: Probe) -> None:
+        self._it = it
+        self._probe = probe
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = time.perf_counter()
+        try:
+            return next(self._it)
+        finally:
+            self._probe.on_data_wait(time.perf_counter() - t)
+
+    def __len__(self):
+        return len(self._it)
+
+    def __getattr__(self, name):
+        return getattr(self._it, name)
+
+
+def install(probe: Probe) -> list:
+    """Install all hooks; returns undo callables. Each part fails on its own."""
+    undo: list = []
+    for part in (_dataloader, _optimizer, _collectives, _ddp):
+        try:
+            u = part(probe)
+            if u:
+                undo.append(u)
+        except Exception as exc:  # noqa: BLE001
+            probe._fail(f"hook {part.__name__.strip('_')}", exc)
+    return undo
+
+
+def _dataloader(probe: Probe):
+    from torch.utils.data import DataLoader
+
+    orig = DataLoader.__iter__
+    if getattr(orig, _MARK, False):
+        return None
+
+    @functools.wraps(orig)
+    def __iter__(self):
+        it = orig(self)
+        try:
+            probe.meta.setdefault("dataloader", {}).update(_loader_meta(self))
+            return _TimedIter(it, probe)
+        except Exception as exc:  # noqa: BLE001
+            probe._fail("dataloader timing", exc)
+            return it
+
+    setattr(__iter__, _MARK, True)
+    DataLoader.__iter__ = __iter__
+    return lambda: setattr(DataLoader, "__iter__", orig)
+
+
+def _loader_meta(loader) -> dict:
+    from probes.meta import loader_facts
+
+    return loader_facts(loader)
+
+
+def _optimizer(probe: Probe):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    seen: set[int] = set()
+
+    def hook(opt, args, kwargs):
+        try:
+            if id(opt) not in seen:
+                seen.add(id(opt))
+                from probes.meta import optimizer_facts
+
+                probe.meta.setdefault("optimizers", []).append(optimizer_facts(opt))
+            if len(seen) > 1 and id(opt) != next(iter(seen)):
+                return  # several optimizers: the first one marks the step
+            probe.start_profiler()
+            probe.on_step()
+        except Exception as exc:  # noqa: BLE001
+            probe._fail("step hook", exc)
+
+    handle = register_optimizer_step_post_hook(hook)
+    return handle.remove
+
+
+def _collectives(probe: Probe):
+    import torch.distributed as dist
+
+    originals = {}
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None or getattr(fn, _MARK, False):
+            continue
+        originals[name] = fn
+        setattr(dist, name, _timed(fn, name, probe))
+
+    def undo():
+        for n, f in originals.items():
+            setattr(dist, n, f)
+
+    return undo
+
+
+def _timed(fn, name: str, probe: Probe):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        result = fn(*args, **kwargs)  # the user's exceptions propagate untouched
+        if not getattr(_inside_hook, "active", False):  # a DDP bucket's all-reduce is timed by its hook
+            try:
+                probe.on_collective(name if not kwargs.get("async_op") else name + "(async)", t,
+                                    time.perf_counter(), _nbytes(args[0]) if args else 0, _group_name(kwargs))
+            except Exception as exc:  # noqa: BLE001
+                probe._fail("collectives", exc)
+        return result
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _ddp(probe: Probe):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    orig_forward = DDP.forward
+    orig_register = DDP.register_comm_hook
+    if getattr(orig_forward, _MARK, False):
+        return None
+
+    def timed_hook(user_hook):
+        def hook(state, bucket):
+            t = time.perf_counter()
+            nbytes = 0
+            try:
+                nbytes = _nbytes(bucket.buffer())
+            except Exception:  # noqa: BLE001
+                pass
+            _inside_hook.active = True
+            try:
+                fut = user_hook(state, bucket)
+            finally:
+                _inside_hook.active = False
+
+            def done(f):
+                probe.on_collective("ddp_bucket_allreduce", t, time.perf_counter(), nbytes, "default")
+                return f.value()
+
+            try:
+                return fut.then(done)
+            except Exception as exc:  # noqa: BLE001
+                probe._fail("ddp timing", exc)
+                return fut
+
+        return hook
+
+    @functools.wraps(orig_register)
+    def register_comm_hook(self, state, hook):
+        self.__dict__["_diagnose_user_hook"] = True
+        return orig_register(self, state, timed_hook(hook))
+
+    @functools.wraps(orig_forward)
+    def forward(self, *args, **kwargs):
+        if not self.__dict__.get("_diagnose_hooked"):
+            self.__dict__["_diagnose_hooked"] = True
+            try:
+                from probes.meta import model_facts
+
+                probe.meta["model"] = model_facts(self)
+                if not self.__dict__.get("_diagnose_user_hook"):
+                    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+                    orig_register(self, self.process_group, timed_hook(allreduce_hook))
+            except Exception as exc:  # noqa: BLE001
+                probe._fail("ddp timing", exc)
+        return orig_forward(self, *args, **kwargs)
+
+    setattr(forward, _MARK, True)
+    DDP.forward = forward
+    DDP.register_comm_hook = register_comm_hook
+
+    def undo():
+        DDP.forward = orig_forward
+        DDP.register_comm_hook = orig_register
+
+    return undo

@@ -1,0 +1,95 @@
+"""`diagnose run` on the unmodified example script: real 2-rank gloo jobs, probes injected."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from diagnose.pipeline import diagnose_paths
+from tests.conftest import EXAMPLE, ROOT, _free_port
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("torch")
+
+
+def diagnose_run(out, *script_args, nproc=2, schedule="2,2,5"):
+    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", schedule, "--",
+           sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", str(EXAMPLE), *script_args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def verdict(out):
+    return json.loads((out / "diagnosis.json").read_text())
+
+
+@pytest.mark.parametrize("pathology, top, ranks", [
+    ("dataloader", "dataloader_starvation", None),
+    ("straggler", "straggler", [1]),
+    ("tiny-batch", "launch_overhead", None),
+])
+def test_injected_cause_ranks_first(tmp_path, pathology, top, ranks):
+    res = diagnose_run(tmp_path, "--pathology", pathology)
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = verdict(tmp_path)
+    assert d["findings"][0]["id"] == top, res.stdout
+    if ranks:
+        assert d["findings"][0]["ranks"] == ranks
+    assert (tmp_path / "report.html").exists()
+    sidecars = sorted(p.name for p in (tmp_path / "traces").glob("rank*.probe.json"))
+    assert sidecars == ["rank0.probe.json", "rank1.probe.json"]
+
+
+def test_healthy_run_flags_nothing(tmp_path):
+    res = diagnose_run(tmp_path, "--pathology", "none")
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = verdict(tmp_path)
+    assert d["findings"] == [], res.stdout
+    assert "no significant cause" in res.stdout
+
+
+def test_exit_code_passes_through(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",
+                          sys.executable, "-c", "import torch, sys; sys.exit(3)"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 3
+
+
+def test_single_process_script(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",
+                          sys.executable, str(EXAMPLE), "--steps", "10"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = verdict(tmp_path)
+    assert d["run"]["ranks_found"] == [0]
+
+
+def test_unwritable_output_training_survives(tmp_path):
+    """A probe that cannot write logs one warning; the job finishes with its own exit code."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the output directory should be")
+    if os.access(tmp_path, os.W_OK) and os.geteuid() != 0:
+        os.chmod(tmp_path, stat.S_IRUSR | stat.S_IXUSR)  # as non-root, a read-only parent as well
+    from diagnose.launch import probe_env
+
+    env = probe_env(blocker / "traces", "1,1,2")
+    res = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "6"], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stderr.count("training continues") == 1, res.stderr[-2000:]
+    # and through the launcher: it warns once and runs the job without probes
+    res = diagnose_run(blocker / "run", "--steps", "6")
+    assert res.returncode == 0
+    assert res.stderr.count("without probes") == 1
+
+
+def test_rank_exiting_early_is_reported_missing(tmp_path):
+    res = diagnose_run(tmp_path, "--exit-early-rank", "1", "--exit-early-step", "5", schedule="1,1,6")
+    d = diagnose_paths([tmp_path / "traces"])
+    assert d.run.ranks_missing == (1,)
+    assert any("1 of 2 ranks" in w for w in d.warnings)
