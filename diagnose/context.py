@@ -8,6 +8,7 @@ import pandas as pd
 from diagnose.breakdown import compute_breakdown
 from diagnose.collectives import Matched, match_collectives
 from diagnose.model import EventRef, StepBreakdown
+from diagnose.probedata import ProbeData
 from diagnose.run import Run
 
 
@@ -18,6 +19,8 @@ class Context:
     steps: tuple[StepBreakdown, ...]
     table: pd.DataFrame
     """The breakdown as a frame, one row per (rank, step)."""
+    probes: dict[int, ProbeData]
+    """Every-step timings and metadata from the probes' sidecars, when the run had them."""
 
     @property
     def mean_step_ms(self) -> float:
@@ -38,8 +41,17 @@ class Context:
                         name=str(e["name"])[:300], step=step, note=note)
 
 
-def build_context(run: Run) -> Context:
+    def probe_meta(self, key: str) -> dict:
+        """One metadata section from the lowest rank's sidecar that has it ({} if none)."""
+        for r in sorted(self.probes):
+            v = self.probes[r].meta.get(key)
+            if isinstance(v, dict) and v:
+                return v
+        return {}
+
+
+def build_context(run: Run, probes: dict[int, ProbeData] | None = None) -> Context:
     matched = match_collectives(run)
     steps = tuple(compute_breakdown(run, matched))
     table = pd.DataFrame([asdict(s) for s in steps])
-    return Context(run=run, matched=matched, steps=steps, table=table)
+    return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {})

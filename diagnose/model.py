@@ -105,6 +105,8 @@ class RunFacts:
     mean_step_ms: dict[int, float]
     clock_offsets_us: dict[int, float]
     files: dict[int, str]
+    metadata: dict = field(default_factory=dict)
+    """Run configuration recorded by the probes (DataLoader, model size, optimizer, env); {} without."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from diagnose.analyzers import CHECKLIST
 from diagnose.context import Context, build_context
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
+from diagnose.probedata import ProbeData, load_probe_data
 from diagnose.run import Run, load_run
 from diagnose.thresholds import DEFAULT, Thresholds
 
@@ -42,7 +43,22 @@ def run_facts(run: Run, ctx: Context) -> RunFacts:
         mean_step_ms={int(r): round(float(v), 3) for r, v in mean.items()},
         clock_offsets_us={int(r): round(v, 3) for r, v in run.clock_offsets_us.items() if v},
         files={r: str(run.traces[r].path) for r in run.ranks},
+        metadata=_metadata(ctx),
     )
+
+
+def _metadata(ctx: Context) -> dict:
+    """Run configuration from the probes' sidecars (empty for bare traces)."""
+    out = {k: ctx.probe_meta(k) for k in ("dataloader", "model", "memory", "env")}
+    for r in sorted(ctx.probes):
+        m = ctx.probes[r].meta
+        for k in ("torch", "device_name", "nccl", "cuda", "host", "cpu_count"):
+            if k in m and k not in out:
+                out[k] = m[k]
+        if m.get("optimizers") and "optimizers" not in out:
+            out["optimizers"] = m["optimizers"]
+    out["probe_steps"] = {int(r): int(len(p.steps)) for r, p in ctx.probes.items()}
+    return {k: v for k, v in out.items() if v}
 
 
 def run_checklist(ctx: Context, th: Thresholds) -> tuple[list[Check], list[str]]:
@@ -58,8 +74,8 @@ def run_checklist(ctx: Context, th: Thresholds) -> tuple[list[Check], list[str]]
     return checks, warnings
 
 
-def diagnose_run(run: Run, th: Thresholds = DEFAULT) -> Diagnosis:
-    ctx = build_context(run)
+def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData] | None = None) -> Diagnosis:
+    ctx = build_context(run, probes)
     checks, warnings = run_checklist(ctx, th)
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
@@ -86,4 +102,8 @@ def _lateness_extra(ctx: Context) -> dict:
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jobs: int | None = None) -> Diagnosis:
-    return diagnose_run(load_run(paths, max_bytes=max_bytes, jobs=jobs), th)
+    run = load_run(paths, max_bytes=max_bytes, jobs=jobs)
+    probes = load_probe_data(paths)
+    for p in probes.values():
+        run.warnings.extend(p.warnings)
+    return diagnose_run(run, th, probes)

@@ -62,12 +62,24 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
     blocked_ms = float(covered(tl.dataloader, tl.steps["start"], tl.steps["end"]).mean()) / 1000
     metrics["blocked_in_dataloader_ms"] = round(blocked_ms, 3)
     metrics["blocked_share_of_step"] = round(blocked_ms / float(step[worst]), 4)
+    if ctx.probes:
+        shares = [float((p.steps["dataloader_ms"] / p.steps["dur_ms"]).median()) for p in ctx.probes.values()
+                  if not p.steps.empty]
+        if shares:
+            metrics["every_step_dataloader_share"] = round(max(shares), 4)
+            metrics["every_step_steps"] = int(max(len(p.steps) for p in ctx.probes.values()))
     if run.is_gpu:
         # only the part of the wait the device also idles is lost: queued kernels run meanwhile
         metrics["device_idle_share_of_wait"] = round(ms / blocked_ms, 3) if blocked_ms else 0.0
+    cfg = ctx.probe_meta("dataloader")
+    fix = FIX
+    if cfg:
+        shown = ", ".join(f"{k}={cfg[k]}" for k in ("batch_size", "num_workers", "pin_memory", "prefetch_factor",
+                                                      "persistent_workers") if k in cfg)
+        fix = f"{FIX} This run: DataLoader({shown})."
     f = Finding(
         id="dataloader_starvation", title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3),
-        share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=tuple(refs), fix=FIX,
+        share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=tuple(refs), fix=fix,
         confidence=confidence_for(ctx), method="Mean per-step DataLoader wait not hidden under device work "
         "(GPU) or blocking the training thread (CPU), on the worst rank.")
     level = "highly input-bound" if share >= th.input_bound_high else "input-bound"

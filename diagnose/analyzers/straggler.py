@@ -17,6 +17,7 @@ import numpy as np
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
+from diagnose.probedata import every_step_lateness
 from diagnose.thresholds import Thresholds
 
 ID = "straggler"
@@ -61,6 +62,17 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     if mismatched:
         metrics["collectives_with_mismatched_names"] = mismatched
     base = "high" if consistent >= 0.8 else "medium" if consistent >= th.straggler_consistency else "low"
+    every = every_step_lateness(ctx.probes)
+    if not every.empty:
+        last = every.loc[every.groupby(["step", "group", "seq"])["arrival"].idxmax(), "rank"]
+        every_share = last.value_counts(normalize=True)
+        metrics["every_step_collectives"] = int(len(last))
+        for r in sorted(every_share.index):
+            metrics[f"rank{int(r)}_every_step_last_share"] = round(float(every_share[r]), 3)
+        agree = float(every_share.reindex(named).fillna(0).max())
+        # hundreds of steps agreeing with the profiled window make the verdict firm
+        if agree >= 0.8 and len(last) >= 10:
+            base = "high"
     if ctx.matched.match_ratio < 0.9 or mismatched > 0.1 * n:
         base = "low"  # sampled or partial traces: matching by order is unreliable
     # evidence: the straggler's latest arrivals
