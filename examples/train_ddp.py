@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-wait", type=int, default=2)
     p.add_argument("--profile-warmup", type=int, default=2)
     p.add_argument("--profile-active", type=int, default=5)
+    p.add_argument("--step-log", default=None,
+                   help="append each step's wall time (ms) to STEP_LOG.rank{R} (for the overhead benchmark)")
     p.add_argument("--exit-early-rank", type=int, default=-1, help="this rank exits after --exit-early-step")
     p.add_argument("--exit-early-step", type=int, default=3)
     args = p.parse_args(argv)
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
     loss_fn = nn.MSELoss()
     step = 0
+    step_times: list[float] = []
+    t_last = time.perf_counter()
     for x, y in loader:
         if step >= args.steps:
             break
@@ -173,8 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         if prof is not None:
             prof.step()
+        now = time.perf_counter()
+        step_times.append((now - t_last) * 1000.0)
+        t_last = now
     if prof is not None:
         prof.stop()
+    if args.step_log:
+        with open(f"{args.step_log}.rank{rank}", "w") as f:
+            f.write("\n".join(f"{t:.4f}" for t in step_times) + "\n")
     if distributed:
         dist.destroy_process_group()
     return 0
