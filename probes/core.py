@@ -57,6 +57,9 @@ class StepRecord:
     comm_ms: float
     collectives: list = field(default_factory=list)
     """[name, arrival offset ms from step start, duration ms, bytes, group] per collective."""
+    spans: list = field(default_factory=list)
+    """[kind, name, offset ms from step start, duration ms, info dict] for other timed work
+    (checkpoint saves, host syncs, ...)."""
 
 
 class Probe:
@@ -74,6 +77,7 @@ class Probe:
         self._dl_ms = 0.0
         self._comm_ms = 0.0
         self._colls: list = []
+        self._spans: list = []
         self._lock = threading.Lock()  # comm-hook futures complete on other threads
         self._failed: set[str] = set()
         self._steps_file = None
@@ -112,6 +116,16 @@ class Probe:
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
             self._fail("collectives", exc)
 
+    def on_span(self, kind: str, name: str, start: float, end: float, **info) -> None:
+        """Any other timed work inside the step (start/end: time.perf_counter())."""
+        try:
+            with self._lock:
+                if len(self._spans) < 1024:
+                    self._spans.append([kind, name, round((start - self._t0) * 1000.0, 4),
+                                        round((end - start) * 1000.0, 4), info])
+        except Exception as exc:  # noqa: BLE001
+            self._fail("spans", exc)
+
     def on_step(self) -> None:
         """Step boundary (after optimizer.step, or the user's `w.step()`)."""
         now = time.perf_counter()
@@ -119,8 +133,9 @@ class Probe:
             with self._lock:
                 rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round((now - self._t0) * 1000.0, 4),
                                  dataloader_ms=round(self._dl_ms, 4), comm_ms=round(self._comm_ms, 4),
-                                 collectives=self._colls)
+                                 collectives=self._colls, spans=self._spans)
                 self._colls = []
+                self._spans = []
             self._write_step(rec)
             s = self._summary
             s["steps"] += 1
@@ -144,7 +159,8 @@ class Probe:
             self._steps_file = open(self.out_dir / f"rank{self.rank}.steps.jsonl", "a", buffering=1 << 16)
         f = self._steps_file
         f.write(json.dumps({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
-                            rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives},
+                            rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
+                            **({"spans": rec.spans} if rec.spans else {})},
                            separators=(",", ":")) + "\n")
         f.flush()  # one write syscall per step: a killed rank leaves every finished step readable
 
