@@ -99,27 +99,21 @@ def _free_port() -> int:
               help="Which fault the example job injects.")
 @click.option("--nproc", default=2, show_default=True, help="Ranks (gloo on CPU, NCCL on GPUs).")
 def demo(out: Path, pathology: str, nproc: int) -> None:
-    """Run a short real DDP job with an injected fault, then diagnose it."""
-    import os
-    import subprocess
+    """Run a short real DDP job with an injected fault through the probes, then diagnose it."""
+    import importlib.util
 
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:
         fail("the demo runs a real training job and needs torch: pip install torch==2.13.0 (CPU) or see README")
+    from diagnose.launch import run_with_probes
     from examples import train_ddp
 
-    traces = out / "traces"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", train_ddp.__file__, "--trace-dir", str(traces),
-           "--pathology", pathology]
-    click.echo(f"running: {' '.join(cmd)}", err=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if res.returncode != 0:
-        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        fail(f"the demo job failed (exit {res.returncode}): {tail[0]}")
-    sys.exit(analyze_and_write([str(traces)], out))
+           f"--master_port={_free_port()}", train_ddp.__file__, "--pathology", pathology]
+    click.echo(f"diagnose demo: {' '.join(cmd)}  (probes injected; output in {out}/)", err=True)
+    code = run_with_probes(cmd, out, "2,2,5", quiet_job=True)
+    if code != 0:
+        fail(f"the demo job failed (exit {code})")
+    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,11 @@ def probe_env(traces: Path, schedule: str, base: dict | None = None) -> dict:
     return env
 
 
-def run_with_probes(command: list[str], out: Path, schedule: str) -> int:
-    """Run `command` under the probes, analyse what it wrote; return the command's exit code."""
+def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: bool = False) -> int:
+    """Run `command` under the probes, analyse what it wrote; return the command's exit code.
+
+    quiet_job: keep the job's own output out of the terminal (the demo) unless it fails.
+    """
     traces = out / "traces"
     try:
         traces.mkdir(parents=True, exist_ok=True)
@@ -45,17 +48,21 @@ def run_with_probes(command: list[str], out: Path, schedule: str) -> int:
         click.echo(f"diagnose: warning: cannot create {traces} ({exc.strerror}); running without probes", err=True)
         return subprocess.call(command)
     env = probe_env(traces, schedule)
+    sink = subprocess.PIPE if quiet_job else None
     try:
-        proc = subprocess.Popen(command, env=env)
+        proc = subprocess.Popen(command, env=env, stdout=sink, stderr=sink, text=True)
     except OSError as exc:
         click.echo(f"diagnose: error: cannot start {command[0]!r}: {exc.strerror or exc}", err=True)
         return 127
     # Ctrl-C goes to the whole process group already; forward SIGTERM so the job can clean up
     prev = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
     try:
-        code = proc.wait()
+        job_out, job_err = proc.communicate()
+        code = proc.returncode
     finally:
         signal.signal(signal.SIGTERM, prev)
+    if quiet_job and code != 0:
+        click.echo((job_err or job_out or "")[-3000:], err=True)
     from diagnose.cli import analyze_outputs
 
     try:
