@@ -84,6 +84,71 @@ def run(out: Path, schedule: str, command: tuple[str, ...]) -> None:
     sys.exit(code)
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--steps", default=5, show_default=True, help="How many steps every rank records.")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              help="Seconds to wait for every rank; then analyse what came.")
+@click.option("--out", "out", default=None, type=click.Path(path_type=Path),
+              help="Where to write the diagnosis (default: the capture's own directory).")
+def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> None:
+    """Profile the next STEPS steps on every rank of a RUNNING job (started with `diagnose run`), then diagnose.
+
+    Coordination is one control file in the run directory; the job gets no collective, no barrier.
+    """
+    from diagnose.oncall import probe_dir, request_capture, wait_for_capture
+
+    try:
+        pdir = probe_dir(run_dir)
+        req = request_capture(pdir, steps)
+    except DiagnoseError as exc:
+        fail(str(exc))
+    click.echo(f"capture {req.id}: steps {req.start_step}..{req.start_step + steps - 1} on every rank; "
+               f"waiting up to {timeout_s:.0f} s", err=True)
+    res = wait_for_capture(pdir, req, timeout_s)
+    for r in res.missing:
+        click.echo(f"rank {r} did not reach step {req.start_step} within {timeout_s:.0f} s: analysing without it",
+                   err=True)
+    for r, why in res.missed.items():
+        click.echo(f"rank {r} missed the capture: {why}", err=True)
+    if not res.done:
+        fail(f"{res.directory}: no rank recorded the capture")
+    try:
+        analyze_outputs([str(res.directory)], out or res.directory)
+    except DiagnoseError as exc:
+        fail(str(exc))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--interval", default=3.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--window", default=20, show_default=True, help="Steps per rank the view summarises.")
+@click.option("--once", is_flag=True, help="Print one view and exit.")
+def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
+    """Live view of a running job: per-rank step time, data wait, collectives, the slowest rank."""
+    import time
+
+    from diagnose.live import render, snapshot
+    from diagnose.oncall import probe_dir
+
+    try:
+        pdir = probe_dir(run_dir)
+    except DiagnoseError as exc:
+        fail(str(exc))
+    while True:
+        text = render(snapshot(pdir, window))
+        if once:
+            click.echo(text)
+            return
+        click.clear()
+        click.echo(f"diagnose watch {run_dir}  (every {interval:g} s, Ctrl-C to stop)\n")
+        click.echo(text)
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return
+
+
 def _free_port() -> int:
     import socket
 
@@ -114,6 +179,7 @@ def demo(out: Path, pathology: str, nproc: int) -> None:
     if code != 0:
         fail(f"the demo job failed (exit {code})")
     sys.exit(0)
+
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-_SIDE = re.compile(r"^rank(\d+)\.(probe\.json|steps\.jsonl)$")
+_SIDE = re.compile(r"^rank(\d+)\.(probe\.json|steps\.jsonl|steps\.1\.jsonl)$")
 MAX_STEP_LINES = 200_000  # bound memory on very long runs: the newest steps matter most
 
 
@@ -50,6 +50,27 @@ def _read_steps(path: Path) -> tuple[list[dict], bool]:
     return rows[-MAX_STEP_LINES:], partial
 
 
+def probe_from_rows(rank: int, meta: dict, rows: list, partial: bool = False,
+                    warnings: tuple[str, ...] = ()) -> ProbeData:
+    """ProbeData from parsed step records (the warm-up step 0 is left out)."""
+    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] > 0
+            and isinstance(r.get("start"), (int, float)) and isinstance(r.get("dur_ms"), (int, float))]
+    steps = pd.DataFrame([{k: r.get(k) for k in ("step", "start", "dur_ms", "dataloader_ms", "comm_ms")}
+                          for r in rows], columns=["step", "start", "dur_ms", "dataloader_ms", "comm_ms"])
+    colls = []
+    for r in rows:
+        for seq, c in enumerate(r.get("collectives") or []):
+            if isinstance(c, list) and len(c) >= 5:
+                try:
+                    colls.append({"step": r["step"], "seq": seq, "name": str(c[0]),
+                                  "arrival": float(r["start"]) + float(c[1]) / 1000, "dur_ms": float(c[2]),
+                                  "bytes": c[3], "group": str(c[4])})
+                except (TypeError, ValueError):
+                    continue
+    return ProbeData(rank=rank, meta=meta, steps=steps, collectives=pd.DataFrame(colls), partial=partial,
+                     warnings=warnings)
+
+
 def load_probe_data(paths: list[str | Path]) -> dict[int, ProbeData]:
     found: dict[int, dict[str, Path]] = {}
     for d in _dirs(paths):
@@ -66,28 +87,21 @@ def load_probe_data(paths: list[str | Path]) -> dict[int, ProbeData]:
         if "probe.json" in files:
             try:
                 body = json.loads(files["probe.json"].read_text())
-                meta = body.get("meta", {}) if isinstance(body, dict) else {}
+                body = body if isinstance(body, dict) else {}
+                meta = body.get("meta") if isinstance(body.get("meta"), dict) else {}
                 meta = {**meta, "schedule": body.get("schedule"), "final": body.get("final")}
             except (ValueError, OSError) as exc:
                 warnings.append(f"{files['probe.json'].name}: unreadable sidecar ({exc})")
         rows, partial = ([], False)
-        if "steps.jsonl" in files:
-            try:
-                rows, partial = _read_steps(files["steps.jsonl"])
-            except OSError as exc:
-                warnings.append(f"{files['steps.jsonl'].name}: unreadable ({exc})")
-        rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] > 0]
-        steps = pd.DataFrame([{k: r.get(k) for k in ("step", "start", "dur_ms", "dataloader_ms", "comm_ms")}
-                              for r in rows])
-        colls = []
-        for r in rows:
-            for seq, c in enumerate(r.get("collectives") or []):
-                if isinstance(c, list) and len(c) >= 5:
-                    colls.append({"step": r["step"], "seq": seq, "name": str(c[0]),
-                                  "arrival": float(r["start"]) + float(c[1]) / 1000, "dur_ms": float(c[2]),
-                                  "bytes": c[3], "group": str(c[4])})
-        out[rank] = ProbeData(rank=rank, meta=meta, steps=steps, collectives=pd.DataFrame(colls),
-                              partial=partial, warnings=tuple(warnings))
+        for key in ("steps.1.jsonl", "steps.jsonl"):  # the rotated generation first: oldest steps first
+            if key in files:
+                try:
+                    more, cut = _read_steps(files[key])
+                    rows += more
+                    partial = partial or cut
+                except OSError as exc:
+                    warnings.append(f"{files[key].name}: unreadable ({exc})")
+        out[rank] = probe_from_rows(rank, meta, rows, partial, tuple(warnings))
     return out
 
 

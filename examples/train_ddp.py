@@ -79,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-wait", type=int, default=2)
     p.add_argument("--profile-warmup", type=int, default=2)
     p.add_argument("--profile-active", type=int, default=5)
+    p.add_argument("--no-ddp", action="store_true",
+                   help="train each rank independently (process group up, no gradient sync)")
+    p.add_argument("--stall-rank", type=int, default=-1, help="this rank sleeps --stall-s once, at --stall-at-step")
+    p.add_argument("--stall-at-step", type=int, default=0)
+    p.add_argument("--stall-s", type=float, default=0.0)
     p.add_argument("--step-log", default=None,
                    help="append each step's wall time (ms) to STEP_LOG.rank{R} (for the overhead benchmark)")
     p.add_argument("--exit-early-rank", type=int, default=-1, help="this rank exits after --exit-early-step")
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # ranks share a small host: keep them from fighting over cores
 
     model = build_model(args).to(device)
-    if distributed:
+    if distributed and not args.no_ddp:
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     n = args.batch_size * (args.steps + 2)
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             break
         if rank == args.exit_early_rank and step >= args.exit_early_step:
             os._exit(0)  # a rank that dies mid-run, without cleanup
+        if rank == args.stall_rank and step == args.stall_at_step:
+            time.sleep(args.stall_s)  # a rank stuck (I/O, a hung filesystem)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)

@@ -83,6 +83,9 @@ class Probe:
         self._steps_file = None
         self._profiler = None
         self._traces_written = 0
+        self._sched_steps = 0
+        self._capture = None
+        self.max_log_bytes = _env_mb("DIAGNOSE_PROBE_MAX_LOG_MB", 64)
         self.meta: dict = {}
         self._summary = {"steps": 0, "dataloader_ms": 0.0, "comm_ms": 0.0, "step_ms": 0.0}
         try:
@@ -146,17 +149,39 @@ class Probe:
             self._fail("step log", exc)
         self._profiler_step()
         self.step += 1
+        self._poll_capture()
         self._dl_ms = 0.0
         self._comm_ms = 0.0
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
 
+    def _poll_capture(self) -> None:
+        if not self.ok("capture"):
+            return
+        try:
+            if self._capture is None:
+                from probes.capture import OnDemandCapture
+
+                self._capture = OnDemandCapture(self)
+            self._capture.poll(self.step)
+        except Exception as exc:  # noqa: BLE001
+            self._fail("capture", exc)
+
+    def profiler_busy(self) -> bool:
+        return self._profiler is not None
+
     # ---- files ------------------------------------------------------------------
     def _write_step(self, rec: StepRecord) -> None:
         if not self.ok("step log"):
             return
+        path = self.out_dir / f"rank{self.rank}.steps.jsonl"
         if self._steps_file is None:
-            self._steps_file = open(self.out_dir / f"rank{self.rank}.steps.jsonl", "a", buffering=1 << 16)
+            self._steps_file = open(path, "a", buffering=1 << 16)
+        elif self._steps_file.tell() > self.max_log_bytes:
+            # bounded size: keep the previous file as .1 (one generation), start a new one
+            self._steps_file.close()
+            os.replace(path, path.with_name(f"rank{self.rank}.steps.1.jsonl"))
+            self._steps_file = open(path, "a", buffering=1 << 16)
         f = self._steps_file
         f.write(json.dumps({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
                             rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
@@ -204,6 +229,12 @@ class Probe:
             return
         try:
             self._profiler.step()
+            self._sched_steps += 1
+            sch = self.schedule
+            if sch.repeat and self._sched_steps > (sch.wait + sch.warmup + sch.active) * sch.repeat:
+                # every scheduled window is written: stop, back to light mode, profiler free for captures
+                self._profiler.stop()
+                self._profiler = None
         except Exception as exc:  # noqa: BLE001
             self._fail("profiler", exc)
             self._profiler = None
@@ -230,6 +261,11 @@ class Probe:
             self._fail("trace export", exc)
 
     def close(self) -> None:
+        if self._capture is not None:
+            try:
+                self._capture.close()
+            except Exception as exc:  # noqa: BLE001
+                self._fail("capture", exc)
         if self._profiler is not None:
             try:
                 self._profiler.stop()
@@ -243,6 +279,13 @@ class Probe:
                 self._fail("step log", exc)
             self._steps_file = None
         self.write_sidecar(final=True)
+
+
+def _env_mb(name: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(name, default))) * 1024**2
+    except ValueError:
+        return default * 1024**2
 
 
 def atomic_write(path: Path, data: bytes) -> None:

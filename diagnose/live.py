@@ -1,0 +1,98 @@
+"""`diagnose watch`: a live terminal view of a running job, from the light-mode files.
+
+Read-only: safe over a shared filesystem, never writes into the run. The suspicion
+shown is provisional: it uses the same thresholds as the analyzers, over the last
+steps' timings only (no trace), and says so.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from diagnose.oncall import live_tails
+from diagnose.probedata import every_step_lateness, probe_from_rows
+from diagnose.thresholds import DEFAULT, Thresholds
+
+
+@dataclass(frozen=True, slots=True)
+class RankLive:
+    rank: int
+    step: int
+    step_ms: float
+    dataloader_share: float
+    comm_ms: float
+    age_s: float
+    """Seconds since this rank's last finished step."""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveView:
+    ranks: tuple[RankLive, ...]
+    slowest_rank: int | None
+    behind_steps: int
+    late_rank: int | None
+    late_ms: float
+    suspicion: str
+    window: int
+
+
+def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float | None = None) -> LiveView:
+    now = time.time() if now is None else now
+    tails = {r: t[-window:] for r, t in live_tails(pdir).items() if t}
+    ranks = []
+    for r, t in sorted(tails.items()):
+        durs = [x["dur_ms"] for x in t]
+        dl = [x.get("dataloader_ms", 0.0) / x["dur_ms"] for x in t if x["dur_ms"] > 0]
+        last = t[-1]
+        ranks.append(RankLive(rank=r, step=last["step"], step_ms=statistics.median(durs),
+                              dataloader_share=statistics.median(dl) if dl else 0.0,
+                              comm_ms=statistics.median(x.get("comm_ms", 0.0) for x in t),
+                              age_s=max(0.0, now - (last["start"] + last["dur_ms"] / 1000))))
+    if not ranks:
+        return LiveView((), None, 0, None, 0.0, "no finished step yet", window)
+    furthest = max(x.step for x in ranks)
+    slowest = min(ranks, key=lambda x: (x.step, -x.age_s))
+    late_rank, late_ms = None, 0.0
+    lat = every_step_lateness({r: probe_from_rows(r, {}, t) for r, t in tails.items()})
+    if not lat.empty:
+        keys = ["step", "group", "seq"]
+        last = lat.loc[lat.groupby(keys)["arrival"].idxmax()]
+        share = last["rank"].value_counts(normalize=True)
+        cand = int(share.idxmax())
+        if share[cand] >= th.straggler_consistency:
+            late_rank = cand
+            # what the others wait for that rank alone: last minus second-latest arrival
+            second = lat.groupby(keys)["arrival"].apply(lambda a: a.nlargest(2).iloc[-1])
+            gap = (last.set_index(keys)["arrival"] - second) * 1000
+            late_ms = float(gap[last.set_index(keys)["rank"] == cand].mean())
+    step_ms = statistics.median(x.step_ms for x in ranks)
+    suspects = []
+    worst_dl = max(ranks, key=lambda x: x.dataloader_share)
+    if worst_dl.dataloader_share >= th.input_bound:
+        suspects.append((worst_dl.dataloader_share * step_ms,
+                         f"dataloader starvation: rank {worst_dl.rank} waits {worst_dl.dataloader_share:.0%} "
+                         "of each step for data"))
+    if late_rank is not None and late_ms / step_ms >= th.straggler:
+        suspects.append((late_ms, f"straggler: rank {late_rank} arrives last at collectives, "
+                                  f"{late_ms:.1f} ms after the others"))
+    comm = statistics.median(x.comm_ms for x in ranks)
+    if comm / step_ms >= th.communication and late_rank is None:
+        suspects.append((comm, f"communication: collectives take {comm / step_ms:.0%} of each step"))
+    suspicion = max(suspects)[1] if suspects else "nothing stands out"
+    return LiveView(tuple(ranks), slowest.rank, furthest - slowest.step, late_rank, late_ms,
+                    f"{suspicion} (provisional: timings of the last {window} steps, no trace)", window)
+
+
+def render(view: LiveView) -> str:
+    lines = [f"{'rank':>4} {'step':>7} {'step ms':>9} {'data wait':>9} {'comm ms':>8} {'last seen':>9}"]
+    for x in view.ranks:
+        mark = " <- slowest" if x.rank == view.slowest_rank and view.behind_steps > 0 else ""
+        mark += " <- late at collectives" if x.rank == view.late_rank else ""
+        lines.append(f"{x.rank:>4} {x.step:>7} {x.step_ms:>9.1f} {x.dataloader_share:>9.0%} {x.comm_ms:>8.1f} "
+                     f"{x.age_s:>8.1f}s{mark}")
+    if view.slowest_rank is not None:
+        lines.append(f"slowest rank: {view.slowest_rank}, {view.behind_steps} step(s) behind the furthest")
+    lines.append(f"suspicion: {view.suspicion}")
+    return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""On-call: capture a running job on demand, a stuck rank, and the live view."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from diagnose.live import render, snapshot
+from diagnose.oncall import live_tails
+from tests.conftest import EXAMPLE, ROOT, _free_port
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("torch")
+
+
+def start_job(out, *args, schedule="off"):
+    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", schedule, "--",
+           sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(EXAMPLE), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+
+
+def wait_for_steps(out, n, timeout=90):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        d = out / "traces"
+        if d.exists() and len(live_tails(d)) == 2 and all(len(t) >= n for t in live_tails(d).values()):
+            return
+        time.sleep(0.5)
+    raise AssertionError("job did not start stepping")
+
+
+def cli(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "diagnose.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def profiler_steps(path):
+    ev = json.load(gzip.open(path))["traceEvents"]
+    return sorted(int(e["name"].split("#")[1]) for e in ev if e.get("name", "").startswith("ProfilerStep#"))
+
+
+def test_capture_a_running_job(tmp_path):
+    steps = 100
+    job = start_job(tmp_path, "--pathology", "straggler", "--steps", str(steps))
+    try:
+        wait_for_steps(tmp_path, 5)
+        watched = cli("watch", str(tmp_path), "--once")
+        assert watched.returncode == 0 and "rank" in watched.stdout
+        res = cli("capture", str(tmp_path), "--steps", "4", "--timeout", "90")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.startswith("VERDICT: Straggler"), res.stdout
+        cap = next((tmp_path / "traces").glob("capture-*"))
+        d = json.loads((cap / "diagnosis.json").read_text())
+        assert d["findings"][0]["id"] == "straggler" and d["findings"][0]["ranks"] == [1]
+        s0, s1 = (profiler_steps(cap / f"rank{r}.pt.trace.json.gz") for r in (0, 1))
+        assert s0 == s1 and len(s0) == 4
+    finally:
+        out, err = job.communicate(timeout=240)
+    assert job.returncode == 0, err[-3000:]
+    # the job ran every step it was asked for, capture or not
+    for r in (0, 1):
+        lines = (tmp_path / "traces" / f"rank{r}.steps.jsonl").read_text().splitlines()
+        assert len(lines) == steps
+
+
+def test_stuck_rank_is_reported_not_waited_for(tmp_path):
+    # ranks train independently (no gradient sync), so rank 0 can finish the capture alone
+    job = start_job(tmp_path, "--no-ddp", "--steps", "400", "--batch-size", "32",
+                    "--stall-rank", "1", "--stall-at-step", "12", "--stall-s", "45")
+    try:
+        wait_for_steps(tmp_path, 12)
+        t = time.monotonic()
+        res = cli("capture", str(tmp_path), "--steps", "3", "--timeout", "15")
+        assert time.monotonic() - t < 60
+        assert "rank 1 did not reach step" in res.stderr, res.stderr
+        cap = next((tmp_path / "traces").glob("capture-*"))
+        assert (cap / "rank0.pt.trace.json.gz").exists() and not (cap / "rank1.pt.trace.json.gz").exists()
+        d = json.loads((cap / "diagnosis.json").read_text())
+        assert d["run"]["ranks_missing"] == [1]
+    finally:
+        os.killpg(job.pid, 15)  # torchrun passes SIGTERM on to its workers
+        try:
+            job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, 9)
+            job.communicate()
+
+
+def test_watch_renders_recorded_light_mode_files(tmp_path):
+    now = 1_000_000.0
+    for r, late in ((0, 0.0), (1, 0.030)):
+        rows = [{"step": s, "start": now + s * 0.2, "dur_ms": 200.0, "dataloader_ms": 1.0,
+                 "comm_ms": 40.0 if r == 0 else 5.0,
+                 "collectives": [["ddp_bucket_allreduce", 150.0 + late * 1000, 30.0, 4096, "default"]]}
+                for s in range(1, 30)]
+        (tmp_path / f"rank{r}.steps.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    view = snapshot(tmp_path, window=20, now=now + 30 * 0.2 + 1)
+    assert view.late_rank == 1 and 25 < view.late_ms < 35
+    text = render(view)
+    assert "straggler: rank 1" in text and "provisional" in text
+    res = cli("watch", str(tmp_path), "--once")
+    assert res.returncode == 0 and "straggler: rank 1" in res.stdout
