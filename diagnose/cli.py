@@ -30,7 +30,8 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
     return 0
 
 
-def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None) -> None:
+def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
+                    echo: bool = True) -> None:
     """The shared tail of every diagnosing command; raises DiagnoseError on bad input."""
     from diagnose.output import terminal_summary, write_json
     from diagnose.pipeline import diagnose_paths
@@ -47,9 +48,10 @@ def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs
             written.append(write_report(d, out))
     except OSError as exc:
         raise DiagnoseError(f"cannot write outputs ({exc.strerror or exc})", out) from None
-    click.echo(terminal_summary(d))
-    click.echo("")
-    click.echo("wrote " + ", ".join(str(p) for p in written))
+    if echo:
+        click.echo(terminal_summary(d))
+        click.echo("")
+        click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
 @main.command()
@@ -147,6 +149,87 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
             time.sleep(interval)
         except KeyboardInterrupt:
             return
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nproc", default=None, help="World sizes to run, e.g. 1,2,4 (launches torchrun for each).")
+@click.option("--runs", "runs", multiple=True, metavar="N=DIR",
+              help="Saved run directories instead of launching, e.g. --runs 1=runs/n1 --runs 8=runs/n8.")
+@click.option("--out", "out", default="scaling", show_default=True, type=click.Path(path_type=Path))
+@click.option("--strong", is_flag=True, help="Strong scaling: the global batch stays fixed (see --batch-flag).")
+@click.option("--batch-flag", default="--batch-size", show_default=True,
+              help="With --strong and --nproc: the script's per-rank batch-size flag, set to global/N.")
+@click.option("--global-batch", type=int, default=None, help="With --strong and --nproc: the global batch size.")
+@click.option("--batch-size", type=int, default=None, help="Per-rank batch size, if the runs' sidecars lack it.")
+@click.option("--schedule", default="2,2,5", show_default=True, help="Profiler schedule for each launched run.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedule, command) -> None:
+    """Measure speedup across world sizes and explain the lost speedup, cause by cause.
+
+    \b
+    diagnose scale --nproc 1,2,4 -- python train.py --lr 0.1
+    diagnose scale --runs 1=runs/n1 --runs 8=runs/n8
+    """
+    from diagnose.scaling import analyze_scaling
+    from diagnose.scaling import terminal_summary as scaling_summary
+
+    mode = "strong" if strong else "weak"
+    try:
+        if runs:
+            dirs = {}
+            for item in runs:
+                n, _, d = item.partition("=")
+                if not n.isdigit() or not d:
+                    raise DiagnoseError(f"--runs takes N=DIR, got {item!r}")
+                dirs[int(n)] = Path(d)
+        else:
+            if not nproc or not command:
+                raise DiagnoseError("give --nproc N1,N2,... and the training command after --, or --runs N=DIR ...")
+            sizes = sorted({int(x) for x in nproc.split(",") if x.strip()})
+            if strong and not global_batch:
+                raise DiagnoseError("--strong with --nproc needs --global-batch (and --batch-flag)")
+            dirs = _launch_sizes(list(command), sizes, out, schedule, strong, batch_flag, global_batch)
+        s, _ = analyze_scaling(dirs, mode, batch_size)
+        from diagnose.scaling_output import write_scaling
+
+        written = write_scaling(s, out)
+    except DiagnoseError as exc:
+        fail(str(exc))
+    click.echo(scaling_summary(s))
+    click.echo("")
+    click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+def _launch_sizes(command: list[str], sizes: list[int], out: Path, schedule: str, strong: bool,
+                  batch_flag: str, global_batch: int | None) -> dict[int, Path]:
+    """Run the user's script at each world size under the probes; returns {N: run dir}."""
+    from diagnose.launch import run_with_probes
+
+    script = list(command)
+    if Path(script[0]).name.startswith("python"):
+        script = script[1:]
+    if script and Path(script[0]).name in ("torchrun",) or script[:2] == ["-m", "torch.distributed.run"]:
+        raise DiagnoseError("give the script command (python train.py ...); diagnose scale runs torchrun itself")
+    if script[:1] == ["-m"]:
+        script = ["--module", *script[1:]]
+    dirs = {}
+    for n in sizes:
+        args = list(script)
+        if strong:
+            per_rank = max(1, global_batch // n)
+            if batch_flag in args:
+                args[args.index(batch_flag) + 1] = str(per_rank)
+            else:
+                args += [batch_flag, str(per_rank)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+               f"--master_port={_free_port()}", *args]
+        click.echo(f"diagnose scale: N={n}: {' '.join(cmd)}", err=True)
+        run_dir = out / f"n{n}"
+        code = run_with_probes(cmd, run_dir, schedule, quiet_job=True, echo=False)
+        if code != 0:
+            raise DiagnoseError(f"the run at N={n} failed (exit {code})", run_dir)
+        dirs[n] = run_dir
+    return dirs
 
 
 def _free_port() -> int:

@@ -36,7 +36,8 @@ def probe_env(traces: Path, schedule: str, base: dict | None = None) -> dict:
     return env
 
 
-def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: bool = False) -> int:
+def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: bool = False,
+                    echo: bool = True) -> int:
     """Run `command` under the probes, analyse what it wrote; return the command's exit code.
 
     quiet_job: keep the job's own output out of the terminal (the demo) unless it fails.
@@ -66,7 +67,7 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
     from diagnose.cli import analyze_outputs
 
     try:
-        analyze_outputs([str(traces)], out)
+        analyze_outputs([str(traces)], out, echo=echo)
     except DiagnoseError as exc:
         click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
     return code

@@ -15,6 +15,10 @@ FindingId = Literal[
     "exposed_communication",
     "straggler",
     "launch_overhead",
+    "device_memory",
+    "pipeline_bubble",
+    "checkpoint_io",
+    "host_sync",
 ]
 Severity = Literal["high", "medium", "low"]
 Confidence = Literal["high", "medium", "low"]
@@ -27,6 +31,11 @@ CHECK_ORDER: tuple[str, ...] = (
     "exposed_communication",
     "straggler",
     "launch_overhead",
+    # beyond the four classic causes: capacity, schedule, I/O and synchronisation
+    "device_memory",
+    "pipeline_bubble",
+    "checkpoint_io",
+    "host_sync",
 )
 
 
@@ -73,6 +82,9 @@ class Check:
     status: CheckStatus
     reason: str
     finding: Finding | None = None
+    measured_ms: float | None = None
+    """The check's estimate of recoverable ms per step even when below its threshold
+    (None when not measurable): the scaling waterfall compares it across runs."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,9 @@ Definitions (stated in the report):
   any stream; communication = union of NCCL/RCCL kernels. The device view: time the
   GPU does useful work vs. time it only communicates or idles.
 - CPU-only traces: compute = union of CPU ops and annotations on the training
-  threads (not gloo's `pt_gloo_runloop` threads), minus DataLoader time;
-  communication = `gloo:*` transfers and `c10d::*` enqueue ops.
+  threads (not gloo's `pt_gloo_runloop` threads), minus DataLoader time and DDP's
+  reducer work; communication = `gloo:*` transfers, `c10d::*` enqueue ops and DDP's
+  reducer work (bucket copies, gradient division).
 - DataLoader wait = union of `enumerate(DataLoader)#...__next__` spans.
 """
 from __future__ import annotations
@@ -30,13 +31,16 @@ from diagnose.ingest.load import (
     KIND_RUNTIME,
     RankTrace,
 )
-from diagnose.intervals import Intervals, union
+from diagnose.intervals import Intervals, merge, subtract, union
 
 DATALOADER = re.compile(r"^enumerate\(DataLoader\)#.*__next__")
 PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
 OPTIMIZER_STEP = re.compile(r"^Optimizer\.step#")
 CPU_COMM_TRANSFER = re.compile(r"^gloo:")
 CPU_COMM_ENQUEUE = re.compile(r"^(c10d::|record_param_comms$|nccl:)")
+# DDP's own bucketing work on the host (gradient division, copies into and out of
+# buckets): communication overhead that grows with world size, not model compute.
+DDP_REDUCER = re.compile(r"reducer::")
 _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2,
                 "bfloat16": 2, "int": 4, "int32": 4, "long": 8, "int64": 8, "int8": 1, "uint8": 1,
                 "char": 1, "byte": 1, "short": 2, "int16": 2, "bool": 1, "c10::half": 2,
@@ -213,11 +217,11 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
         ck = ev[_kind_mask(ev, KIND_COMM_KERNEL)]
         comm = union(ck["ts"], ck["ts"] + ck["dur"])
     else:
-        from diagnose.intervals import subtract
-
-        compute = subtract(host_busy, dataloader)
+        reducer = ev[host_kinds & _names_matching(ev, DDP_REDUCER)]
+        reducer_set = union(reducer["ts"], reducer["ts"] + reducer["dur"])
+        compute = subtract(subtract(host_busy, dataloader), reducer_set)
         cc = ev[cpu_comm]
-        comm = union(cc["ts"], cc["ts"] + cc["dur"])
+        comm = merge(union(cc["ts"], cc["ts"] + cc["dur"]), reducer_set)
     collectives = _collectives(trace, is_gpu, steps, comm_tids)
     return RankTimeline(rank=rank, file=trace.path.name, is_gpu=is_gpu, step_source=source, steps=steps,
                         compute=compute, comm=comm, dataloader=dataloader, host_busy=host_busy,

@@ -172,6 +172,7 @@ def _timed(fn, name: str, probe: Probe):
 
 
 def _ddp(probe: Probe):
+    from torch.autograd.profiler import record_function
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     orig_forward = DDP.forward
@@ -189,7 +190,10 @@ def _ddp(probe: Probe):
                 pass
             _inside_hook.active = True
             try:
-                fut = user_hook(state, bucket)
+                # named like DDP's own reducer work so the analysis counts the hook's
+                # bucket division and launch as communication overhead, not model compute
+                with record_function("reducer::diagnose_comm_hook"):
+                    fut = user_hook(state, bucket)
             finally:
                 _inside_hook.active = False
 

@@ -32,5 +32,8 @@ def below(th_share: float, ms: float, share: float) -> str:
 
 def flag_or_pass(finding: Finding, threshold: float, th: Thresholds, reason_flag: str) -> Check:
     if finding.share_of_step >= threshold and finding.recoverable_ms >= th.healthy_floor_ms:
-        return Check(id=finding.id, title=finding.title, status="flagged", reason=reason_flag, finding=finding)
-    return passed(finding.id, finding.title, below(threshold, finding.recoverable_ms, finding.share_of_step))
+        return Check(id=finding.id, title=finding.title, status="flagged", reason=reason_flag, finding=finding,
+                     measured_ms=finding.recoverable_ms)
+    return Check(id=finding.id, title=finding.title, status="passed",
+                 reason=below(threshold, finding.recoverable_ms, finding.share_of_step),
+                 measured_ms=finding.recoverable_ms)

@@ -1,0 +1,69 @@
+"""Validate the what-if estimates: predict the step time after a fix, then measure it.
+
+For each injected cause, a 2-rank gloo job runs with the cause (under the probes);
+the prediction is its step time minus the cause's recoverable ms per step. The same
+job then runs with the cause removed; its measured step time is the truth.
+
+    python benchmarks/bench_whatif.py [--repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CASES = [
+    # (cause id, injected args, fixed args)
+    ("straggler", ["--pathology", "straggler"], ["--pathology", "none"]),
+    ("dataloader_starvation", ["--pathology", "dataloader"], ["--pathology", "none"]),
+    ("exposed_communication", ["--pathology", "tiny-buckets"], ["--pathology", "tiny-buckets", "--bucket-cap-mb", "25"]),
+]
+
+
+def run(out: Path, args: list[str]) -> tuple[float, dict]:
+    from diagnose.cli import _free_port
+    from diagnose.launch import run_with_probes
+    from diagnose.scaling import measure_point
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(ROOT / "examples" / "train_ddp.py"), "--steps", "20", *args]
+    code = run_with_probes(cmd, out, "2,2,5", quiet_job=True, echo=False)
+    if code:
+        raise SystemExit(f"job failed: {' '.join(args)}")
+    point, _ = measure_point(2, out)
+    return point.step_ms, point.causes_ms
+
+
+def predict_and_measure(tmp: Path, cause: str, bad: list[str], good: list[str], i: int) -> tuple[float, float]:
+    step, causes = run(tmp / f"{cause}-bad-{i}", bad)
+    predicted = step - causes.get(cause, 0.0)
+    measured, _ = run(tmp / f"{cause}-good-{i}", good)
+    return predicted, measured
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for cause, bad, good in CASES:
+            pairs = [predict_and_measure(Path(d), cause, bad, good, i) for i in range(a.repeats)]
+            pred = statistics.median(p for p, _ in pairs)
+            meas = statistics.median(m for _, m in pairs)
+            rows.append((cause, " ".join(bad), pred, meas, (pred - meas) / meas))
+            print(f"{cause}: predicted {pred:.1f} ms, measured {meas:.1f} ms, error {(pred - meas) / meas:+.1%}",
+                  flush=True)
+    print("\n| cause | injected | predicted step after fix (ms) | measured after fix (ms) | error |")
+    print("|---|---|---|---|---|")
+    for cause, bad, pred, meas, err in rows:
+        print(f"| {cause} | `{bad}` | {pred:.1f} | {meas:.1f} | {err:+.1%} |")
+
+
+if __name__ == "__main__":
+    main()

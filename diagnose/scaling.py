@@ -1,0 +1,212 @@
+"""Scaling: measure speedup across world sizes and account for the lost speedup, cause by cause.
+
+Two questions kept apart:
+- the waterfall: what got worse as N grew (lost speedup, ideal N -> observed);
+- the baseline panel: what is slow already at the smallest N (costs throughput at
+  every N, not speedup).
+
+Method. Per-rank work per step is w times the baseline's (weak scaling: w = 1, the
+DDP default; strong scaling: w = N0/N). With T the step time, observed speedup is
+S = (N/N0) * w * T0 / T. The lost speedup (N/N0) - S = (N/N0) * (T - w T0) / T
+splits over per-step time increases: each cause c contributes
+(N/N0) * (c_N - w c_0) / T, where c is the same estimate `diagnose analyze` reports
+for that check (its measured ms per step), plus compute inflation (the same work
+got slower per rank) and an explicit unexplained remainder, never hidden.
+
+What-if per cause: step time without the cause = T - c_N (its recoverable time on
+the critical path of each step), speedup scaled accordingly. Assumes the cause's
+time is not hidden by something else that would then be exposed.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from diagnose.errors import DiagnoseError
+from diagnose.model import Diagnosis
+from diagnose.pipeline import diagnose_paths
+from diagnose.probedata import load_probe_data
+
+CAUSES = ("dataloader_starvation", "input_stall", "exposed_communication", "straggler", "launch_overhead")
+SCHEMA_VERSION = "1.0"
+
+
+@dataclass(frozen=True, slots=True)
+class ScalePoint:
+    nproc: int
+    step_ms: float
+    """Median step time (every probed step outside profiler windows; else the traced steps)."""
+    step_source: str
+    per_rank_batch: int | None
+    throughput: float | None
+    """Samples per second (None when the batch size is unknown)."""
+    speedup: float
+    efficiency: float
+    run_dir: str
+    trace_step_ms: float
+    """Mean traced step time: the basis of the per-cause breakdown."""
+    causes_ms: dict[str, float]
+    compute_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Bar:
+    id: str
+    lost_speedup: float
+    delta_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIf:
+    id: str
+    step_ms: float
+    speedup: float
+
+
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    mode: str
+    points: tuple[ScalePoint, ...]
+    waterfall: tuple[Bar, ...]
+    """Largest loss first; includes compute_inflation and unexplained."""
+    ideal_speedup: float
+    observed_speedup: float
+    baseline: tuple[dict, ...]
+    what_if: tuple[WhatIf, ...]
+    assumptions: tuple[str, ...]
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    schema_version: str = SCHEMA_VERSION
+
+
+def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None]:
+    """Median every-step time across ranks outside profiler windows, and the per-rank batch size."""
+    probes = load_probe_data([run_dir])
+    per_rank, batch = [], None
+    for p in probes.values():
+        if p.steps.empty:
+            continue
+        sch = p.meta.get("schedule") or {}
+        skip = 2
+        if sch.get("enabled"):
+            # the profiled window and its trace export are slower than ordinary steps
+            skip = (sch.get("wait", 0) + sch.get("warmup", 0) + sch.get("active", 0)) * max(sch.get("repeat", 1), 1) + 2
+        steps = p.steps[p.steps["step"] > skip]
+        if len(steps) < 3:
+            steps = p.steps
+        per_rank.append(float(steps["dur_ms"].median()))
+        b = (p.meta.get("dataloader") or {}).get("batch_size")
+        batch = b if isinstance(b, int) else batch
+    return (statistics.median(per_rank) if per_rank else None), batch
+
+
+def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None) -> tuple[ScalePoint, Diagnosis]:
+    traces = run_dir / "traces" if (run_dir / "traces").is_dir() else run_dir
+    d = diagnose_paths([traces])
+    probe_ms, probe_batch = _probe_step_ms(traces)
+    trace_ms = statistics.fmean(d.run.mean_step_ms.values())
+    step_ms, source = (probe_ms, "probe steps") if probe_ms else (trace_ms, "traced steps")
+    batch = batch_size or probe_batch
+    # not-measurable checks (None) stay out: absent from a run is not the same as zero
+    causes = {c.id: float(c.measured_ms) for c in d.checks if c.id in CAUSES and c.measured_ms is not None}
+    compute = statistics.fmean(s.compute_ms for s in d.breakdown)
+    if not d.run.device.startswith(("cuda", "rocm")):
+        # on CPU the per-op overhead is inside the compute lane: count it once
+        compute -= causes.get("launch_overhead", 0.0)
+    point = ScalePoint(nproc=nproc, step_ms=step_ms, step_source=source, per_rank_batch=batch,
+                       throughput=(nproc * batch / step_ms * 1000) if batch else None, speedup=1.0,
+                       efficiency=1.0, run_dir=str(run_dir), trace_step_ms=trace_ms, causes_ms=causes,
+                       compute_ms=compute)
+    return point, d
+
+
+def analyze_scaling(runs: dict[int, Path], mode: str = "weak",
+                    batch_size: int | None = None) -> tuple[Scaling, dict[int, Diagnosis]]:
+    """Measure each run directory, then account for the speedup (see `account`)."""
+    if len(runs) < 2:
+        raise DiagnoseError("scaling needs runs at two or more world sizes")
+    measured = {n: measure_point(n, Path(p), batch_size) for n, p in sorted(runs.items())}
+    baseline = measured[min(measured)][1].findings
+    return account({n: pt for n, (pt, _) in measured.items()}, mode, baseline), \
+        {n: d for n, (_, d) in measured.items()}
+
+
+def account(measured: dict[int, ScalePoint], mode: str = "weak", baseline_findings=()) -> Scaling:
+    """Speedup per N, the lost-speedup waterfall, what-ifs. Pure arithmetic on measured points."""
+    if mode not in ("weak", "strong"):
+        raise DiagnoseError(f"unknown scaling mode {mode!r} (weak or strong)")
+    n0 = min(measured)
+    base = measured[n0]
+    warnings: list[str] = []
+    points = []
+    for n, pt in sorted(measured.items()):
+        w = 1.0 if mode == "weak" else n0 / n
+        speedup = (n / n0) * w * base.step_ms / pt.step_ms
+        if pt.throughput and base.throughput:
+            speedup = pt.throughput / base.throughput
+        elif pt.per_rank_batch is None:
+            warnings.append(f"N={n}: batch size unknown; speedup from step times assuming {mode} scaling")
+        points.append(replace(pt, speedup=round(speedup, 4), efficiency=round(speedup / (n / n0), 4)))
+    top = measured[max(measured)]
+    w = 1.0 if mode == "weak" else n0 / top.nproc
+    ideal = top.nproc / n0
+    observed = points[-1].speedup
+    T = top.trace_step_ms
+    bars = []
+    for cid in CAUSES:
+        if cid not in top.causes_ms and cid not in base.causes_ms:
+            continue
+        delta = top.causes_ms.get(cid, 0.0) - w * base.causes_ms.get(cid, 0.0)
+        bars.append(Bar(cid, round(ideal * delta / T, 4), round(delta, 3)))
+    dc = top.compute_ms - w * base.compute_ms
+    bars.append(Bar("compute_inflation", round(ideal * dc / T, 4), round(dc, 3)))
+    explained = sum(b.lost_speedup for b in bars)
+    bars.append(Bar("unexplained", round((ideal - observed) - explained, 4),
+                    round(T - w * base.trace_step_ms - sum(b.delta_ms for b in bars), 3)))
+    bars.sort(key=lambda b: -b.lost_speedup)
+    what_if = []
+    for cid in CAUSES:
+        rec = top.causes_ms.get(cid, 0.0)
+        if rec <= 0:
+            continue
+        step = max(top.step_ms - rec, 1e-6)
+        what_if.append(WhatIf(cid, round(step, 3), round(observed * top.step_ms / step, 4)))
+    what_if.sort(key=lambda x: x.step_ms)
+    baseline = tuple({"id": f.id, "recoverable_ms": f.recoverable_ms, "share_of_step": f.share_of_step,
+                      "ranks": list(f.ranks)} for f in baseline_findings)
+    assumptions = (
+        f"{mode} scaling: per-rank work at N is {'the same as' if mode == 'weak' else 'N0/N times'} at N0={n0}",
+        "causes are the same per-step estimates `diagnose analyze` reports for each run (measured even "
+        "when below the flag threshold)",
+        "lost speedup per cause = (N/N0) x (increase in its ms per step) / traced step time; the remainder, "
+        "including profiler overhead and noise, is shown as unexplained",
+        "what-if: the cause's time leaves the critical path of each step and nothing else becomes exposed",
+    )
+    return Scaling(mode=mode, points=tuple(points), waterfall=tuple(bars), ideal_speedup=ideal,
+                   observed_speedup=observed, baseline=baseline, what_if=tuple(what_if),
+                   assumptions=assumptions, warnings=tuple(warnings))
+
+
+def terminal_summary(s: Scaling) -> str:
+    lines = [f"SCALING ({s.mode}): {s.observed_speedup:.2f}x at N={s.points[-1].nproc} of an ideal "
+             f"{s.ideal_speedup:.2f}x"]
+    lines.append(f"{'N':>4} {'step ms':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10}")
+    for p in s.points:
+        tput = f"{p.throughput:10.1f}" if p.throughput else f"{'?':>10}"
+        lines.append(f"{p.nproc:>4} {p.step_ms:>9.1f} {tput} {p.speedup:>8.2f} {p.efficiency:>10.0%}")
+    lines.append("")
+    lines.append("lost speedup, by cause (what got worse as N grew):")
+    for b in s.waterfall:
+        lines.append(f"  {b.id:<24} {b.lost_speedup:+7.3f}x  ({b.delta_ms:+.1f} ms/step)")
+    lines.append("")
+    lines.append(f"slow already at N={s.points[0].nproc} (baseline, costs throughput at every N):")
+    if not s.baseline:
+        lines.append("  nothing flagged")
+    for f in s.baseline:
+        lines.append(f"  {f['id']:<24} {f['recoverable_ms']:.1f} ms/step ({f['share_of_step']:.0%})")
+    if s.what_if:
+        lines.append("")
+        lines.append(f"what if, at N={s.points[-1].nproc}:")
+        for w in s.what_if:
+            lines.append(f"  without {w.id:<24} step {w.step_ms:.1f} ms, speedup {w.speedup:.2f}x")
+    return "\n".join(lines)

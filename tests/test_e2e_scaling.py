@@ -1,0 +1,53 @@
+"""`diagnose scale --nproc 1,2` on real gloo jobs: the injected cause is the largest lost-speedup bar."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import EXAMPLE, ROOT
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("torch")
+
+
+def scale(out, *script_args):
+    cmd = [sys.executable, "-m", "diagnose.cli", "scale", "--nproc", "1,2", "--out", str(out), "--",
+           sys.executable, str(EXAMPLE), *script_args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads((out / "scaling.json").read_text()), res
+
+
+def test_straggler_is_the_largest_bar_and_runs_reanalyse(tmp_path):
+    s, res = scale(tmp_path, "--pathology", "straggler")
+    assert s["waterfall"][0]["id"] == "straggler", res.stdout
+    assert "unexplained" in [b["id"] for b in s["waterfall"]]
+    assert (tmp_path / "report.html").exists() and (tmp_path / "n2" / "diagnosis.json").exists()
+    # the same analysis post hoc from the saved run directories
+    again = subprocess.run([sys.executable, "-m", "diagnose.cli", "scale", "--runs", f"1={tmp_path / 'n1'}",
+                            "--runs", f"2={tmp_path / 'n2'}", "--out", str(tmp_path / "again")],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0, again.stderr
+    s2 = json.loads((tmp_path / "again" / "scaling.json").read_text())
+    assert s2["waterfall"] == s["waterfall"]
+
+
+def test_allreduce_dominated_model_loses_speedup_to_communication(tmp_path):
+    # a wide model on tiny batches: the 2-rank all-reduce of ~10 MB dwarfs the compute
+    s, res = scale(tmp_path, "--batch-size", "8", "--hidden", "1024", "--repeat", "1")
+    assert s["waterfall"][0]["id"] == "exposed_communication", res.stdout
+    assert "unexplained" in [b["id"] for b in s["waterfall"]]
+
+
+def test_equally_slow_loader_is_baseline_not_lost_speedup(tmp_path):
+    s, res = scale(tmp_path, "--pathology", "dataloader")
+    assert [f["id"] for f in s["baseline"]][:1] == ["dataloader_starvation"], res.stdout
+    bars = {b["id"]: b["lost_speedup"] for b in s["waterfall"]}
+    assert s["waterfall"][0]["id"] != "dataloader_starvation"
+    assert abs(bars["dataloader_starvation"]) < 0.1
+    assert "unexplained" in bars

@@ -1,0 +1,45 @@
+"""The scaling arithmetic on hand-built points (the e2e tests run real jobs)."""
+from __future__ import annotations
+
+import pytest
+
+from diagnose.scaling import ScalePoint, account
+
+
+def point(n, step, causes, compute, batch=32):
+    return ScalePoint(nproc=n, step_ms=step, step_source="probe steps", per_rank_batch=batch,
+                      throughput=n * batch / step * 1000, speedup=1.0, efficiency=1.0, run_dir=f"n{n}",
+                      trace_step_ms=step, causes_ms=causes, compute_ms=compute)
+
+
+def test_weak_scaling_straggler_accounts_for_the_whole_loss():
+    base = point(1, 100.0, {"dataloader_starvation": 10.0, "straggler": 0.0}, 90.0)
+    top = point(2, 150.0, {"dataloader_starvation": 10.0, "straggler": 50.0}, 90.0)
+    s = account({1: base, 2: top})
+    assert s.ideal_speedup == 2 and s.observed_speedup == pytest.approx(100 / 150 * 2, abs=1e-3)
+    bars = {b.id: b.lost_speedup for b in s.waterfall}
+    assert s.waterfall[0].id == "straggler"
+    assert bars["straggler"] == pytest.approx(2 * 50 / 150, abs=1e-3)
+    # an equally slow loader at both sizes costs no speedup under weak scaling
+    assert bars["dataloader_starvation"] == pytest.approx(0.0, abs=1e-9)
+    assert bars["unexplained"] == pytest.approx(0.0, abs=1e-3)
+    assert sum(bars.values()) == pytest.approx(s.ideal_speedup - s.observed_speedup, abs=1e-3)
+    w = {x.id: x for x in s.what_if}
+    assert w["straggler"].step_ms == pytest.approx(100.0) and w["straggler"].speedup == pytest.approx(2.0, abs=1e-3)
+
+
+def test_strong_scaling_moves_fixed_costs_into_the_waterfall():
+    # per-op overhead of 10 ms does not shrink when the per-rank batch halves
+    base = point(1, 100.0, {"launch_overhead": 10.0}, 90.0, batch=64)
+    top = point(2, 55.0, {"launch_overhead": 10.0}, 45.0, batch=32)
+    s = account({1: base, 2: top}, mode="strong")
+    bars = {b.id: b.lost_speedup for b in s.waterfall}
+    assert bars["launch_overhead"] == pytest.approx(2 * (10 - 5) / 55, abs=1e-3)
+    assert bars["compute_inflation"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_unexplained_is_always_reported():
+    s = account({1: point(1, 100.0, {}, 100.0), 2: point(2, 130.0, {}, 100.0)})
+    ids = [b.id for b in s.waterfall]
+    assert "unexplained" in ids and "compute_inflation" in ids
+    assert dict((b.id, b.lost_speedup) for b in s.waterfall)["unexplained"] == pytest.approx(2 - 2 * 100 / 130, abs=1e-3)
