@@ -34,6 +34,7 @@ def _curve(runs: list, cs: ChartSet) -> str:
                      go.Scatter(x=ns, y=sp, name="observed", mode="lines+markers+text",
                                 text=[f"{v:.2f}x" if v is not None else "" for v in sp], textposition="top left",
                                 marker={"symbol": "circle", "size": 10})])
+    fig.update_xaxes(tickvals=ns)  # world sizes are integers: no 1.2-rank ticks
     fig.update_layout(title="Speedup vs world size (dashed: ideal)", xaxis_title="ranks (N)",
                       yaxis_title="speedup", height=380, margin={"t": 50, "l": 60, "r": 20, "b": 50})
     return cs.add(fig, "speedup curve: observed vs ideal")
