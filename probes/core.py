@@ -78,6 +78,7 @@ class Probe:
         self._comm_ms = 0.0
         self._colls: list = []
         self._spans: list = []
+        self._pending_cuda: list = []
         self._lock = threading.Lock()  # comm-hook futures complete on other threads
         self._failed: set[str] = set()
         self._steps_file = None
@@ -119,6 +120,31 @@ class Probe:
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
             self._fail("collectives", exc)
 
+    def on_cuda_collective(self, name: str, start: float, e0, e1, nbytes: int, group: str) -> None:
+        """A collective timed by two CUDA events; resolved at a later step boundary, never synced."""
+        with self._lock:
+            if len(self._pending_cuda) < 4096:
+                self._pending_cuda.append((name, start, e0, e1, nbytes, group))
+
+    def _resolve_cuda(self) -> None:
+        if not self._pending_cuda or not self.ok("cuda timing"):
+            return
+        try:
+            with self._lock:
+                pending, self._pending_cuda = self._pending_cuda, []
+            keep = []
+            for item in pending:
+                name, start, e0, e1, nbytes, group = item
+                if e0.query() and e1.query():
+                    dur_s = e0.elapsed_time(e1) / 1000.0
+                    self.on_collective(name, start, start + dur_s, nbytes, group)
+                else:
+                    keep.append(item)  # the device is behind: read it at the next boundary
+            with self._lock:
+                self._pending_cuda = keep + self._pending_cuda
+        except Exception as exc:  # noqa: BLE001
+            self._fail("cuda timing", exc)
+
     def on_span(self, kind: str, name: str, start: float, end: float, **info) -> None:
         """Any other timed work inside the step (start/end: time.perf_counter())."""
         try:
@@ -132,6 +158,7 @@ class Probe:
     def on_step(self) -> None:
         """Step boundary (after optimizer.step, or the user's `w.step()`)."""
         now = time.perf_counter()
+        self._resolve_cuda()
         try:
             with self._lock:
                 rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round((now - self._t0) * 1000.0, 4),

@@ -154,15 +154,41 @@ def _collectives(probe: Probe):
     return undo
 
 
+def _cuda_event():
+    """A timing event recorded on the current stream: no host sync, read later with query()."""
+    import torch
+
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _is_cuda(obj) -> bool:
+    first = obj[0] if isinstance(obj, (list, tuple)) and obj else obj
+    return bool(getattr(first, "is_cuda", False))
+
+
 def _timed(fn, name: str, probe: Probe):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
-        result = fn(*args, **kwargs)  # the user's exceptions propagate untouched
-        if not getattr(_inside_hook, "active", False):  # a DDP bucket's all-reduce is timed by its hook
+        hooked = getattr(_inside_hook, "active", False)  # a DDP bucket's all-reduce is timed by its hook
+        e0 = None
+        if not hooked and args and not kwargs.get("async_op"):
             try:
-                probe.on_collective(name if not kwargs.get("async_op") else name + "(async)", t,
-                                    time.perf_counter(), _nbytes(args[0]) if args else 0, _group_name(kwargs))
+                e0 = _cuda_event() if _is_cuda(args[0]) else None
+            except Exception as exc:  # noqa: BLE001
+                probe._fail("cuda timing", exc)
+        result = fn(*args, **kwargs)  # the user's exceptions propagate untouched
+        if not hooked:
+            try:
+                label = name if not kwargs.get("async_op") else name + "(async)"
+                nbytes, group = (_nbytes(args[0]) if args else 0), _group_name(kwargs)
+                if e0 is not None:
+                    # NCCL returns before the transfer ends: time it on the device, read it later
+                    probe.on_cuda_collective(label, t, e0, _cuda_event(), nbytes, group)
+                else:
+                    probe.on_collective(label, t, time.perf_counter(), nbytes, group)
             except Exception as exc:  # noqa: BLE001
                 probe._fail("collectives", exc)
         return result
@@ -183,9 +209,11 @@ def _ddp(probe: Probe):
     def timed_hook(user_hook):
         def hook(state, bucket):
             t = time.perf_counter()
-            nbytes = 0
+            nbytes, e0 = 0, None
             try:
-                nbytes = _nbytes(bucket.buffer())
+                buf = bucket.buffer()
+                nbytes = _nbytes(buf)
+                e0 = _cuda_event() if buf.is_cuda else None
             except Exception:  # noqa: BLE001
                 pass
             _inside_hook.active = True
@@ -198,7 +226,11 @@ def _ddp(probe: Probe):
                 _inside_hook.active = False
 
             def done(f):
-                probe.on_collective("ddp_bucket_allreduce", t, time.perf_counter(), nbytes, "default")
+                if e0 is not None:
+                    # the callback's stream is ordered after the all-reduce: time it on the device
+                    probe.on_cuda_collective("ddp_bucket_allreduce", t, e0, _cuda_event(), nbytes, "default")
+                else:
+                    probe.on_collective("ddp_bucket_allreduce", t, time.perf_counter(), nbytes, "default")
                 return f.value()
 
             try:
