@@ -9,13 +9,9 @@ plus a status file `capture-{id}/rank{R}.capture.json` ({"status": "done" | "mis
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
-import shutil
-import tempfile
-from pathlib import Path
 
 CONTROL = "capture.json"
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -88,18 +84,11 @@ class OnDemandCapture:
         self._prof = prof
 
     def _export(self, prof, req: dict) -> None:
+        from probes.core import export_gz
+
         d = self.probe.out_dir / f"capture-{req['id']}"
         d.mkdir(parents=True, exist_ok=True)
-        fd, raw = tempfile.mkstemp(dir=d, prefix=f".rank{self.probe.rank}.", suffix=".json")
-        os.close(fd)
-        try:
-            prof.export_chrome_trace(raw)
-            with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb", compresslevel=3) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(raw + ".gz", d / f"rank{self.probe.rank}.pt.trace.json.gz")
-        finally:
-            for p in (raw, raw + ".gz"):
-                Path(p).unlink(missing_ok=True)
+        export_gz(prof, d / f"rank{self.probe.rank}.pt.trace.json.gz")
         self._status(req, "done")
 
     def close(self) -> None:

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diagnose.output import write_atomic as atomic_write  # one atomic writer for the whole project
+
 log = logging.getLogger("diagnose.probes")
 
 
@@ -271,18 +273,7 @@ class Probe:
             return
         try:
             stamp = f"{int(time.time() * 1000)}"
-            final = self.out_dir / f"rank{self.rank}.{stamp}.pt.trace.json.gz"
-            fd, raw = tempfile.mkstemp(dir=self.out_dir, prefix=f".rank{self.rank}.", suffix=".json")
-            os.close(fd)
-            try:
-                prof.export_chrome_trace(raw)
-                tmp_gz = raw + ".gz"
-                with open(raw, "rb") as src, gzip.open(tmp_gz, "wb", compresslevel=3) as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-                os.replace(tmp_gz, final)  # readers see a whole trace or none
-            finally:
-                for p in (raw, raw + ".gz"):
-                    Path(p).unlink(missing_ok=True)
+            export_gz(prof, self.out_dir / f"rank{self.rank}.{stamp}.pt.trace.json.gz")
             self._traces_written += 1
         except Exception as exc:  # noqa: BLE001
             self._fail("trace export", exc)
@@ -315,13 +306,15 @@ def _env_mb(name: str, default: int) -> int:
         return default * 1024**2
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+def export_gz(prof, final: Path) -> None:
+    """Export a profiler trace gzipped, via temp files and a rename: readers see a whole trace or none."""
+    fd, raw = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".json")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb", compresslevel=3) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(raw + ".gz", final)
+    finally:
+        for p in (raw, raw + ".gz"):
+            Path(p).unlink(missing_ok=True)
