@@ -5,6 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
+from diagnose.intervals import clip
+
 from diagnose.analyzers import CHECKLIST
 from diagnose.context import Context, build_context
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
@@ -80,10 +82,50 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (-f.recoverable_ms, order.get(f.id, 99)))
-    extras = {"lateness": _lateness_extra(ctx)}
+    extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx)}
     return Diagnosis(run=run_facts(run, ctx), checks=tuple(checks), findings=tuple(findings),
                      breakdown=ctx.steps, warnings=tuple(run.warnings + warnings),
                      skipped=tuple(run.skipped), extras=extras)
+
+
+MAX_TIMELINE_RANKS = 16
+MAX_LANE_INTERVALS = 400
+
+
+def _timeline_extra(ctx: Context) -> dict:
+    """One representative step per rank as lanes of intervals (ms from the earliest rank's step
+    start, clocks aligned), for the report's mini timeline. The step is the one, among those every
+    shown rank profiled, whose duration on the lowest rank is the median."""
+    run = ctx.run
+    ranks = run.ranks[:MAX_TIMELINE_RANKS]
+    common = set.intersection(*(set(run.timelines[r].steps["step"]) for r in ranks))
+    if not common:
+        return {}
+    first = run.timelines[ranks[0]].steps
+    cand = first[first["step"].isin(common)].assign(d=lambda f: f["end"] - f["start"]).sort_values("d")
+    step = int(cand["step"].iloc[len(cand) // 2])
+    rows = []
+    for r in ranks:
+        tl = run.timelines[r]
+        off = run.clock_offsets_us.get(r, 0.0)
+        srow = tl.steps[tl.steps["step"] == step].iloc[0]
+        lo, hi = float(srow["start"]), float(srow["end"])
+        lanes = {}
+        for name, iv in (("compute", tl.compute), ("communication", tl.comm), ("dataloader", tl.dataloader)):
+            c = clip(iv, lo, hi)
+            keep = np.argsort(c.ends - c.starts)[::-1][:MAX_LANE_INTERVALS]
+            keep.sort()
+            lanes[name] = [[round(float(c.starts[i] + off) / 1000, 4), round(float(c.ends[i] - c.starts[i]) / 1000, 4)]
+                           for i in keep]
+        rows.append({"rank": r, "start_ms": round((lo + off) / 1000, 4), "dur_ms": round((hi - lo) / 1000, 4),
+                     "lanes": lanes})
+    t0 = min(x["start_ms"] for x in rows)
+    for x in rows:  # relative to the earliest start, so lateness is visible across ranks
+        x["start_ms"] = round(x["start_ms"] - t0, 4)
+        for lane in x["lanes"].values():
+            for iv in lane:
+                iv[0] = round(iv[0] - t0, 4)
+    return {"step": step, "ranks": rows, "clock": "ms from the earliest rank's step start, clocks aligned"}
 
 
 def _lateness_extra(ctx: Context) -> dict:
