@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -21,22 +22,33 @@ def main() -> None:
     """Why is my distributed PyTorch job slow? Ranked causes from torch.profiler traces."""
 
 
-def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None) -> int:
+def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
+                      hta: HtaOptions | None = None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
     try:
-        analyze_outputs(paths, out, max_trace_gb, jobs)
+        analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta)
     except DiagnoseError as exc:
         fail(str(exc))
     return 0
 
 
+@dataclass(frozen=True, slots=True)
+class HtaOptions:
+    budget_mb: float = 256.0
+    timeout_s: float = 180.0
+
+
 def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
-                    echo: bool = True) -> None:
+                    echo: bool = True, hta: HtaOptions | None = None) -> None:
     """The shared tail of every diagnosing command; raises DiagnoseError on bad input."""
     from diagnose.output import terminal_summary, write_json
     from diagnose.pipeline import diagnose_paths
 
     d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs)
+    if hta is not None:
+        from diagnose.hta import attach_hta
+
+        d = attach_hta(d, paths, budget_mb=hta.budget_mb, timeout_s=hta.timeout_s)
     try:
         write_json(d, out)
         written = [out / "diagnosis.json"]
@@ -51,6 +63,11 @@ def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs
     if echo:
         click.echo(terminal_summary(d))
         click.echo("")
+        if hta is not None:
+            from diagnose.hta import hta_summary
+
+            click.echo(hta_summary(d))
+            click.echo("")
         click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
@@ -60,9 +77,16 @@ def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs
               help="Directory for diagnosis.json and report.html.")
 @click.option("--max-trace-gb", default=8.0, show_default=True, help="Refuse traces that expand beyond this.")
 @click.option("--jobs", default=None, type=int, help="Parallel parse processes (default: CPU count).")
-def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None) -> None:
+@click.option("--hta/--no-hta", default=False, show_default=True,
+              help="Add Holistic Trace Analysis as a second opinion on GPU traces (pip install 'torch-diagnose[hta]').")
+@click.option("--hta-budget-mb", default=256.0, show_default=True,
+              help="Largest expanded trace size (all ranks) HTA may load.")
+@click.option("--hta-timeout", default=180.0, show_default=True, help="Seconds HTA may run before it is stopped.")
+def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None, hta: bool,
+            hta_budget_mb: float, hta_timeout: float) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
-    sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs))
+    opts = HtaOptions(hta_budget_mb, hta_timeout) if hta else None
+    sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs, opts))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -263,6 +287,10 @@ def demo(out: Path, pathology: str, nproc: int) -> None:
         fail(f"the demo job failed (exit {code})")
     sys.exit(0)
 
+
+from diagnose.diff import diff_command  # noqa: E402 - registered after main is defined
+
+main.add_command(diff_command)
 
 
 if __name__ == "__main__":

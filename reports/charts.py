@@ -228,3 +228,19 @@ def finding_charts(finding: dict, breakdown: list, extras: dict) -> list[go.Figu
     if not figs:  # unknown finding kind or no per-rank numbers: the affected ranks' breakdown
         figs.append(breakdown_bars(breakdown, ranks) or breakdown_bars(breakdown))
     return [f for f in figs if f is not None]
+
+
+def diff_breakdown_bars(before: dict, after: dict) -> go.Figure | None:
+    """Two stacked bars, BEFORE and AFTER: the mean step (over ranks) by component."""
+    sides = [(str((x or {}).get("label") or name), (x or {}).get("breakdown_ms"))
+             for name, x in (("before", before), ("after", after))]
+    if not all(isinstance(b, dict) and any(num(v) is not None for v in b.values()) for _, b in sides):
+        return None
+    x = [f"{name}: {plot_text(label)}" for name, (label, _) in zip(("before", "after"), sides)]
+    fig = go.Figure()
+    for key, label, colour, shape in COMPONENTS:
+        fig.add_bar(x=x, y=[num(b.get(key)) or 0.0 for _, b in sides], name=label, width=0.35,
+                    marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                    hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
+    return _layout(fig, "Mean step time before and after, by component (ms, mean over ranks)", barmode="stack",
+                   yaxis={"title": {"text": "ms per step"}})

@@ -258,6 +258,7 @@ def _finding_section(i: int, f: dict, d: dict, cs: ChartSet) -> str:
             f'{fmt_ranks(f.get("ranks"))}; confidence {esc(f.get("confidence"))}.</p>'
             f'<p class="fix"><strong>Fix:</strong> {esc(f.get("fix"))}</p>'
             f'<p class="method"><strong>Method:</strong> {esc(f.get("method"))}</p>'
+            f'{_hta_for_check(_dict(_dict(_dict(d.get("extras")).get("hta")).get("by_check")).get(f.get("id")))}'
             f'{chart_html}<div class="tables">{_metrics_table(_dict(f.get("metrics")))}'
             f'{_events_table(_list(f.get("events")))}</div></section>')
 
@@ -278,6 +279,93 @@ def _inputs(run: dict) -> str:
                    f"<td class=num>{fmt_value(offsets.get(r, 0))}</td></tr>" for r, p in files.items())
     return ('<h2 id="inputs">Input files</h2><table class="inputs"><thead><tr><th>Rank</th><th>File</th>'
             f'<th class=num>Clock offset (µs)</th></tr></thead><tbody>{rows}</tbody></table>')
+
+
+# ------------------------------------------------------------------- hta ---
+
+HTA_STATUS_LINE = {
+    "not_requested": "HTA evidence was not requested (run with --hta to add Holistic Trace Analysis as a second "
+                     "opinion).",
+    "not_installed": "HTA evidence is not available: HTA (Holistic Trace Analysis) is not installed.",
+}
+AGREE_LABEL = {True: "AGREES", False: "DISAGREES", None: "NOT COMPARED"}
+
+
+def _agree(v) -> str:
+    key = v if v in (True, False) else None
+    cls = {True: "agree", False: "disagree", None: "na"}[key]
+    return f'<span class="hta-{cls}">{AGREE_LABEL[key]}</span>'
+
+
+def _fmt_cmp(v, unit) -> str:
+    x = num(v)
+    if x is None:
+        return "—"
+    return f"{x:,.1f} µs" if unit == "us" else fmt_share(x)
+
+
+def _hta_comparisons(rows: list) -> str:
+    body = "".join(
+        f'<tr><td>{esc(c.get("quantity"))}</td><td class=num>{_fmt_cmp(c.get("ours"), c.get("unit"))}</td>'
+        f'<td class=num>{_fmt_cmp(c.get("hta"), c.get("unit"))}</td><td>{esc(c.get("tolerance"))}</td>'
+        f'<td>{_agree(c.get("agrees"))}{(" " + esc(c.get("note"))) if c.get("note") else ""}</td></tr>'
+        for c in map(_dict, rows))
+    if not body:
+        return ""
+    return ('<table class="hta-cmp"><thead><tr><th>Quantity</th><th class=num>Ours</th><th class=num>HTA</th>'
+            f'<th>Tolerance</th><th>Agrees?</th></tr></thead><tbody>{body}</tbody></table>')
+
+
+def _hta_for_check(entry) -> str:
+    """'HTA says' for one check or finding, the comparison, and any disagreement spelled out."""
+    e = _dict(entry)
+    if not e:
+        return ""
+    parts = [f'<p class="hta-says"><strong>HTA says:</strong> {esc(e.get("hta_says"))} {_agree(e.get("agrees"))}</p>',
+             _hta_comparisons(_list(e.get("comparisons")))]
+    if e.get("disagreement"):
+        parts.append(f'<p class="hta-disagree"><strong>Disagreement:</strong> {esc(e.get("disagreement"))}</p>')
+    elif e.get("definitions"):
+        parts.append(f'<details><summary>Definitions</summary><p>{esc(e.get("definitions"))}</p></details>')
+    return f'<div class="hta">{"".join(parts)}</div>'
+
+
+def _hta_section(extras: dict) -> str:
+    h = _dict(extras.get("hta"))
+    status = str(h.get("status") or "not_requested")
+    if status in HTA_STATUS_LINE:
+        reason = h.get("reason") if status == "not_installed" else None
+        return f'<p class="hta-status">{esc(HTA_STATUS_LINE[status])}{(" " + esc(reason)) if reason else ""}</p>'
+    if status != "ok":
+        return f'<p class="hta-status">{esc(h.get("reason") or status)}</p>'
+    parts = [f'<p class="hta-status">Holistic Trace Analysis {esc(h.get("hta_version"))} on rank(s) '
+             f'{fmt_ranks(h.get("ranks"))}, {len(_list(h.get("steps_kept")))} step(s) kept, '
+             f'{fmt_value(num(h.get("seconds")))} s. A second opinion: where it and we disagree, both definitions '
+             'are given and neither is preferred.</p>']
+    for cid, entry in _dict(h.get("by_check")).items():
+        parts.append(f'<h3>{esc(cid)}</h3>{_hta_for_check(entry)}')
+    run = _dict(h.get("run"))
+    if run:
+        parts.append(f'<h3>Run: temporal breakdown</h3><p>{esc(run.get("hta_says"))}</p>'
+                     f'{_hta_comparisons(_list(run.get("comparisons")))}')
+        rows = "".join(f'<tr><td>{esc(r)}</td><td class=num>{fmt_ms(v.get("kernel_span_ms"))}</td>'
+                       f'<td class=num>{fmt_share(v.get("compute_share"))}</td>'
+                       f'<td class=num>{fmt_share(v.get("non_compute_share"))}</td>'
+                       f'<td class=num>{fmt_share(v.get("idle_share"))}</td></tr>'
+                       for r, v in ((r, _dict(v)) for r, v in _dict(run.get("per_rank")).items()))
+        if rows:
+            parts.append('<details><summary>Per rank</summary><table class="hta-run"><thead><tr><th>Rank</th>'
+                         '<th class=num>Kernel span</th><th class=num>Compute</th><th class=num>Non-compute</th>'
+                         f'<th class=num>Idle</th></tr></thead><tbody>{rows}</tbody></table></details>')
+    cp = _dict(h.get("critical_path"))
+    if cp:
+        parts.append(f'<h3>Critical path</h3><p>{esc(cp.get("hta_says"))}</p>')
+        if cp.get("caveat"):
+            parts.append(f'<p class="muted">{esc(cp.get("caveat"))}</p>')
+    lim = "".join(f"<li>{esc(x)}</li>" for x in _list(h.get("limitations")))
+    if lim:
+        parts.append(f'<details><summary>Where HTA is not right</summary><ul class="lines">{lim}</ul></details>')
+    return "".join(parts)
 
 
 # ------------------------------------------------------------------ page ---
@@ -309,6 +397,11 @@ tr.check-flagged td{font-weight:600}
 .metrics th{font-weight:400;overflow-wrap:anywhere;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
 ul.lines li{margin:2px 0;font-size:14px}footer{margin-top:40px;font-size:12px;color:var(--muted)}
 @media print{.chart{break-inside:avoid}}
+.hta{border-left:4px solid var(--line);padding:2px 12px;margin:8px 0}.hta-says{margin:4px 0}
+span.hta-agree,span.hta-disagree,span.hta-na{display:inline-block;font-size:12px;font-weight:700;padding:0 5px;border-radius:3px}
+span.hta-agree{border:1px solid #1e6b33;color:#1e6b33}span.hta-disagree{background:#8a4b00;color:#fff}p.hta-disagree{border:2px solid #8a4b00;padding:6px 10px}span.hta-na{border:1px dashed #555;color:#555}
+.side{display:grid;grid-template-columns:1fr 1fr;gap:18px}@media (max-width:900px){.side{grid-template-columns:1fr}}
+.chg-gone{color:#1e6b33;font-weight:700}.chg-appeared{color:#a50e0e;font-weight:700}
 """
 
 # Installed before anything else runs, so errors in plotly or the chart loop are counted.
@@ -338,6 +431,7 @@ def render(diagnosis: dict) -> str:
 <h2 id="checklist">Checklist</h2>{_checklist(checks, findings)}
 <h2 id="breakdown">Where the step goes</h2>{breakdown_html}
 <h2 id="evidence">Evidence</h2>{evidence}
+<h2 id="hta">Second opinion: Holistic Trace Analysis (HTA)</h2>{_hta_section(_dict(d.get("extras")))}
 {_lines("Warnings", _list(d.get("warnings")), "warnings")}
 {_lines("Skipped inputs", _list(d.get("skipped")), "skipped")}
 {_inputs(run)}
@@ -359,4 +453,100 @@ def write_report(d, out_dir: Path) -> Path:
 
     path = Path(out_dir) / "report.html"
     write_atomic(path, render(diagnosis_dict(d)).encode("utf-8"))
+    return path
+
+
+# ------------------------------------------------------------------ diff ---
+
+CHANGE_LABEL = {"gone": "GONE", "appeared": "APPEARED", "changed": "CHANGED", "unchanged": "UNCHANGED",
+                "not_flagged": "not flagged"}
+
+
+def _diff_side(side: dict) -> str:
+    run = _dict(side.get("run"))
+    findings = [f for f in _list(side.get("findings")) if isinstance(f, dict)]
+    rows = "".join(f'<tr><td>{esc(f.get("title"))}</td><td class=num>{fmt_ms(f.get("recoverable_ms"))}</td>'
+                   f'<td class=num>{fmt_share(f.get("share_of_step"))}</td><td>{_severity(f.get("severity"))}</td></tr>'
+                   for f in findings)
+    table = (f'<table class="causes"><thead><tr><th>Cause</th><th class=num>Recoverable / step</th>'
+             f'<th class=num>Share</th><th>Severity</th></tr></thead><tbody>{rows}</tbody></table>'
+             if rows else '<p class="muted">No cause was flagged.</p>')
+    ranks = _list(run.get("ranks_found"))
+    device = esc(run.get("device")) + (f" ({esc(run.get('device_name'))})" if run.get("device_name") else "")
+    hta = _dict(side.get("hta"))
+    hta_line = ""
+    if hta:
+        hta_run = _dict(hta.get("run"))
+        said = hta_run.get("hta_says") or hta.get("reason") or hta.get("status")
+        hta_line = f'<p><strong>HTA:</strong> {esc(said)}</p>'
+    return (f'<div><h3>{esc(str(side.get("label", "")).upper())}: <span class=mono>{esc(side.get("path"))}</span></h3>'
+            f'<p>Mean step <strong>{fmt_ms(side.get("step_ms"), 1)}</strong>; {len(ranks)}'
+            f'{" of " + esc(run.get("world_size")) if run.get("world_size") is not None else ""} rank(s); {device}; '
+            f'{esc(run.get("steps_analysed"))} step(s).</p>'
+            f'{table}{hta_line}</div>')
+
+
+def _diff_causes(causes: list) -> str:
+    rows = []
+    for c in map(_dict, causes):
+        ch = str(c.get("change", ""))
+        comp = ""
+        if c.get("component"):
+            comp = (f'{esc(str(c.get("component")).removesuffix("_ms").replace("_", " "))}: '
+                    f'{fmt_ms(c.get("component_before_ms"))} → {fmt_ms(c.get("component_after_ms"))}')
+        rows.append(f'<tr><td>{esc(c.get("title") or c.get("id"))}</td>'
+                    f'<td><span class="chg-{esc(ch)}">{esc(CHANGE_LABEL.get(ch, ch))}</span></td>'
+                    f'<td>{esc(STATUS_LABEL.get(str(c.get("before_status")), c.get("before_status")))}</td>'
+                    f'<td class=num>{fmt_ms(c.get("before_ms"))}</td>'
+                    f'<td>{esc(STATUS_LABEL.get(str(c.get("after_status")), c.get("after_status")))}</td>'
+                    f'<td class=num>{fmt_ms(c.get("after_ms"))}</td><td>{comp}</td></tr>')
+    if not rows:
+        return '<p class="muted">No checks to compare.</p>'
+    return ('<table class="diff-causes"><thead><tr><th>Check</th><th>Change</th><th>Before</th>'
+            '<th class=num>Recoverable / step</th><th>After</th><th class=num>Recoverable / step</th>'
+            f'<th>Step breakdown (mean over ranks)</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
+
+
+def render_diff(diff: dict) -> str:
+    """BEFORE and AFTER side by side, from diff.json. Pure: dict in, HTML out; computes nothing new."""
+    d = _dict(diff)
+    before, after, st = _dict(d.get("before")), _dict(d.get("after")), _dict(d.get("step_ms"))
+    cs, tool = ChartSet(), _dict(d.get("tool"))
+    pct = num(st.get("change_pct"))
+    change = f" ({pct:+.1%})" if pct is not None else ""
+    lists = []
+    for key, label in (("findings_gone", "Gone"), ("findings_appeared", "Appeared"), ("findings_changed", "Changed")):
+        items = ", ".join(esc(x) for x in _list(d.get(key))) or "none"
+        lists.append(f"<div><dt>{label}</dt><dd>{items}</dd></div>")
+    fig = charts.diff_breakdown_bars(before, after)
+    chart = cs.add(fig, "Mean step time before and after, by component") if fig is not None else ""
+    notes = "".join(f'<li>{esc(n)}</li>' for n in _list(d.get("comparability")))
+    notes_html = f'<ul class="lines warn">{notes}</ul>' if notes else ""
+    body = f"""<main>
+<header class="top"><h1>What changed between two runs? <span class="muted">torch-diagnose diff</span></h1>
+<span class="muted">{esc(tool.get("name", "torch-diagnose"))} {esc(tool.get("version", ""))} · diff {esc(d.get("diff_version"))}</span></header>
+<section class="verdict" id="verdict" aria-label="Summary"><p class="headline"><span class="kicker">Step time</span>
+<strong>{fmt_ms(st.get("before"), 1)} → {fmt_ms(st.get("after"), 1)}</strong>{esc(change)}</p>
+<dl class="facts">{"".join(lists)}</dl>{notes_html}</section>
+<h2 id="side-by-side">Before and after</h2><div class="side">{_diff_side(before)}{_diff_side(after)}</div>
+<h2 id="causes">Per cause</h2>{_diff_causes(_list(d.get("causes")))}
+<h2 id="breakdown">Where the step goes</h2>{chart or '<p class="muted">No step breakdown to compare.</p>'}
+<footer>Self-contained report: no network access needed. Numbers come from diff.json; this page computes no verdicts.</footer>
+</main>"""
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>torch-diagnose diff</title><style>{CSS}</style></head>
+<body>{ERROR_HOOK}{body}
+<script>{_plotly_js()}</script>
+{cs.script()}
+</body></html>
+"""
+
+
+def write_diff_report(diff: dict, out_dir: Path) -> Path:
+    """Render diff.json's dict to OUT_DIR/report.html (atomically)."""
+    from diagnose.output import write_atomic
+
+    path = Path(out_dir) / "report.html"
+    write_atomic(path, render_diff(diff).encode("utf-8"))
     return path

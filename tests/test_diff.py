@@ -1,0 +1,89 @@
+"""`diagnose diff`: before/after a fix on the real ResNet50 DataLoader traces (nw0 -> nw4)."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from diagnose.cli import main
+from diagnose.diff import diff_diagnoses, diff_summary
+from reports.html import render_diff
+from tests.conftest import ROOT, shared
+
+NW0, NW4 = "kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4"
+HOSTILE = "<script>document.body.dataset.pwned='diff'</script>"
+
+
+@functools.lru_cache(maxsize=None)
+def _diagnosis(name: str):
+    from diagnose.pipeline import diagnose_paths
+    return diagnose_paths([shared(name)])
+
+
+def test_diff_cli_reports_dataloader_gone_and_step_time(tmp_path):
+    """The acceptance run, as a user types it (a real process)."""
+    before, after = shared(NW0), shared(NW4)
+    res = subprocess.run([sys.executable, "-m", "diagnose.cli", "diff", str(before), str(after),
+                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    m = re.search(r"STEP TIME: ([\d.]+) ms -> ([\d.]+) ms \(([-+][\d.]+)%\)", res.stdout)
+    assert m, res.stdout
+    assert float(m.group(1)) == pytest.approx(155, abs=3) and float(m.group(2)) == pytest.approx(128, abs=3)
+    assert float(m.group(3)) == pytest.approx(-17, abs=2)
+    assert "findings gone: dataloader_starvation" in res.stdout
+    assert "findings appeared: none" in res.stdout
+    diff = json.loads((tmp_path / "diff.json").read_text())
+    assert diff["findings_gone"] == ["dataloader_starvation"] and diff["findings_appeared"] == []
+    assert diff["step_ms"]["before"] == pytest.approx(155, abs=3)
+    assert diff["step_ms"]["after"] == pytest.approx(128, abs=3)
+    dl = next(c for c in diff["causes"] if c["id"] == "dataloader_starvation")
+    assert dl["change"] == "gone" and dl["before_status"] == "flagged" and dl["after_status"] == "passed"
+    assert dl["before_ms"] == pytest.approx(31.4, abs=1) and dl["after_ms"] is None
+    assert dl["component_after_ms"] < 1 and dl["component_change_ms"] < -25
+    html = (tmp_path / "report.html").read_text()
+    assert "GONE" in html and "nw0" in html and "nw4" in html and 'class="side"' in html
+
+
+def test_swapped_runs_show_the_finding_appearing():
+    diff = diff_diagnoses(_diagnosis(NW4), _diagnosis(NW0))
+    assert diff["findings_appeared"] == ["dataloader_starvation"] and not diff["findings_gone"]
+    assert diff["step_ms"]["change_pct"] > 0.15
+    assert "findings appeared: dataloader_starvation" in diff_summary(diff)
+
+
+def test_same_run_twice_changes_nothing():
+    d = _diagnosis(NW0)
+    diff = diff_diagnoses(d, d)
+    assert diff["step_ms"]["change_ms"] == 0 and diff["step_ms"]["change_pct"] == 0
+    assert not (diff["findings_gone"] or diff["findings_appeared"] or diff["findings_changed"])
+    assert diff["findings_unchanged"] == ["dataloader_starvation"]
+    assert not diff["comparability"]
+    assert set(diff["breakdown_change_ms"].values()) == {0}
+
+
+def test_different_jobs_are_flagged_as_not_like_for_like():
+    diff = diff_diagnoses(_diagnosis(NW0), _diagnosis("param_dlrm_8rank_v100"))
+    assert any("world size differs" in n for n in diff["comparability"])
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    res = CliRunner().invoke(main, ["diff", str(tmp_path / "nope"), str(shared(NW4)), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    assert res.output.strip().startswith("diagnose: error:") and len(res.output.strip().splitlines()) == 1
+
+
+def test_render_diff_escapes_trace_text_and_tolerates_odd_input():
+    diff = diff_diagnoses(_diagnosis(NW0), _diagnosis(NW4), before_label=HOSTILE, before_path=HOSTILE)
+    diff["before"]["findings"][0]["title"] = HOSTILE
+    diff["causes"][0]["title"] = HOSTILE
+    diff["comparability"] = [HOSTILE]
+    diff["before"]["run"]["device_name"] = HOSTILE
+    text = render_diff(diff)
+    assert HOSTILE not in text and text.count("<script") == 3
+    for odd in ({}, {"before": None, "causes": [None, 1], "step_ms": "x"}, {"findings_gone": [HOSTILE]}):
+        assert HOSTILE not in render_diff(odd) and render_diff(odd).startswith("<!DOCTYPE html>")
