@@ -159,6 +159,53 @@ def step_composition(breakdown: list) -> tuple[go.Figure | None, int | None]:
                    height=height, barmode="stack"), step
 
 
+LANES: tuple[tuple[str, str, str, str], ...] = (
+    ("compute", "compute", "#0072B2", ""),
+    ("communication", "communication", "#E69F00", "/"),
+    ("dataloader", "dataloader wait", "#009E73", "."),
+)
+MAX_TIMELINE_BARS = 6000  # keep the page light even for many ranks
+
+
+def step_timeline(timeline: dict) -> go.Figure | None:
+    """One step per rank on a shared, clock-aligned time axis: a mini Perfetto.
+
+    Each rank gets one row per lane (compute, communication, dataloader wait); a late
+    rank shows as a row whose work starts later than the others'.
+    """
+    rows = [r for r in (timeline or {}).get("ranks") or [] if isinstance(r, dict) and _rank(r.get("rank")) is not None]
+    if not rows:
+        return None
+    fig = go.Figure()
+    budget = MAX_TIMELINE_BARS
+    order = []
+    for r in sorted(rows, key=lambda x: _rank(x["rank"]), reverse=True):
+        for key, label, _, _ in reversed(LANES):
+            order.append(f"rank {_rank(r['rank'])} · {label}")
+    for key, label, colour, shape in LANES:
+        ys, xs, bases = [], [], []
+        for r in rows:
+            for iv in ((r.get("lanes") or {}).get(key) or [])[: max(budget, 0)]:
+                start, dur = (num(iv[0]), num(iv[1])) if isinstance(iv, list) and len(iv) == 2 else (None, None)
+                if start is None or dur is None:
+                    continue
+                ys.append(f"rank {_rank(r['rank'])} · {label}")
+                xs.append(dur)
+                bases.append(start)
+                budget -= 1
+        if ys:
+            fig.add_bar(y=ys, x=xs, base=bases, orientation="h", name=label, width=0.8,
+                        marker={"color": colour, "line": {"width": 0}, "pattern": _pattern(shape)},
+                        hovertemplate=f"%{{y}}<br>start %{{base:.2f}} ms, {label} %{{x:.3f}} ms<extra></extra>")
+    if not fig.data:
+        return None
+    fig.update_yaxes(categoryorder="array", categoryarray=order)
+    height = max(200, min(1600, 90 + 18 * len(order)))
+    step = timeline.get("step")
+    return _layout(fig, f"Timeline of step {step} on every rank (ms from the earliest rank's start; clocks aligned)",
+                   height=height, barmode="overlay")
+
+
 def per_rank_metric(metrics: dict) -> dict[str, dict[int, float]]:
     """Group metrics keys like rank7_mean_lateness_ms into {suffix: {rank: value}}."""
     out: dict[str, dict[int, float]] = defaultdict(dict)

@@ -202,7 +202,7 @@ def _checklist(checks: list, findings: list) -> str:
             f'<tbody>{"".join(rows)}</tbody></table>')
 
 
-def _breakdown_section(breakdown: list, cs: ChartSet) -> str:
+def _breakdown_section(breakdown: list, cs: ChartSet, composition: bool = True) -> str:
     means = charts.mean_breakdown(breakdown)
     if not means:
         return '<p class="muted">No per-step breakdown in this diagnosis.</p>'
@@ -210,7 +210,7 @@ def _breakdown_section(breakdown: list, cs: ChartSet) -> str:
     fig = charts.breakdown_bars(breakdown)
     if fig is not None:
         parts.append(cs.add(fig, "Mean step time per rank, stacked by component"))
-    fig, step = charts.step_composition(breakdown)
+    fig, step = charts.step_composition(breakdown) if composition else (None, None)
     if fig is not None:
         parts.append(cs.add(fig, f"Composition of step {step} per rank"))
         parts.append('<p class="muted">Each lane is one rank\'s step with its components laid end to end: '
@@ -223,6 +223,15 @@ def _breakdown_section(breakdown: list, cs: ChartSet) -> str:
     parts.append(f'<details{" open" if len(means) <= 16 else ""}><summary>Mean per rank, as numbers</summary>'
                  f'<table class="breakdown"><thead>{head}</thead><tbody>{body}</tbody></table></details>')
     return "".join(parts)
+
+
+def _timeline_section(extras: dict, cs: ChartSet) -> str:
+    fig = charts.step_timeline(_dict(extras.get("timeline")))
+    if fig is None:
+        return ""
+    return (cs.add(fig, "Timeline of one step on every rank") +
+            '<p class="muted">Real intervals from the traces: when each rank computed, communicated or waited for '
+            'data during one representative step. A rank whose rows start late is the one the others wait for.</p>')
 
 
 def _metrics_table(metrics: dict) -> str:
@@ -420,7 +429,10 @@ def render(diagnosis: dict) -> str:
     checks, cs = _list(d.get("checks")), ChartSet()
     tool = _dict(d.get("tool"))
     # Sections that add charts are built in page order so chart ids follow the page.
-    breakdown_html = _breakdown_section(_list(d.get("breakdown")), cs)
+    timeline = _dict(_dict(d.get("extras")).get("timeline"))
+    # the real timeline, when the JSON has it, replaces the composition-only lanes
+    breakdown_html = (_breakdown_section(_list(d.get("breakdown")), cs, composition=not timeline.get("ranks"))
+                      + _timeline_section(_dict(d.get("extras")), cs))
     evidence = "".join(_finding_section(i, f, d, cs) for i, f in enumerate(findings, 1)) or \
         '<p class="muted">Nothing flagged, so no evidence to show.</p>'
     body = f"""<main>
