@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from diagnose.collectives import Matched
-from diagnose.intervals import Intervals, covered, merge, subtract, union
+from diagnose.intervals import Intervals, covered, intersect, merge, subtract, union
 from diagnose.model import StepBreakdown
 from diagnose.run import Run
 
@@ -46,7 +46,7 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
             exposed_set = subtract(subtract(tl.comm, tl.compute), tl.dataloader)
         exposed = covered(exposed_set, lo, hi)
         waits = _wait_intervals(matched, r, run.clock_offsets_us.get(r, 0.0))
-        wait = covered(subtract(exposed_set, subtract(exposed_set, waits)), lo, hi) if len(waits) else np.zeros(lo.size)
+        wait = covered(intersect(exposed_set, waits), lo, hi) if len(waits) else np.zeros(lo.size)
         wait = np.minimum(wait, exposed)
         exposed = exposed - wait
         other = np.maximum(step_us - compute - exposed - wait - dl, 0.0)
