@@ -71,6 +71,9 @@ class Finding:
     confidence: Confidence
     method: str
     """How recoverable_ms was estimated, in one sentence."""
+    kind: Literal["time", "capacity"] = "time"
+    """'capacity' findings (device memory) cost no step time: recoverable_ms is 0 and they
+    rank after every time finding; their verdict is the check's reason."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,9 @@ def diagnosis_dict(d: Diagnosis) -> dict:
         "verdict": _verdict(d),
         "run": body["run"],
         "findings": body["findings"],
-        "checks": [{k: v for k, v in c.items() if k != "finding"} for c in body["checks"]],
+        # a check keeps its numbers even when it passed: "why not flagged" is evidence too
+        "checks": [{**{k: v for k, v in c.items() if k != "finding"},
+                    "metrics": c["finding"]["metrics"] if c.get("finding") else {}} for c in body["checks"]],
         "breakdown": body["breakdown"],
         "warnings": body["warnings"],
         "skipped": body["skipped"],
@@ -40,10 +42,16 @@ def diagnosis_dict(d: Diagnosis) -> dict:
     })
 
 
+def _reason(d: Diagnosis, check_id: str) -> str:
+    return next((c.reason for c in d.checks if c.id == check_id), "")
+
+
 def _verdict(d: Diagnosis) -> str:
     f = d.top
     if f is None:
         return "no significant cause found: every check passed or could not be measured"
+    if f.kind == "capacity":
+        return f"{f.title}: {_reason(d, f.id)}"
     return (f"{f.title}: {f.recoverable_ms:.1f} ms per step ({f.share_of_step:.0%}) recoverable"
             f" on rank(s) {', '.join(map(str, f.ranks))}")
 
@@ -81,8 +89,11 @@ def terminal_summary(d: Diagnosis) -> str:
         lines.append("VERDICT: no significant cause found (every check passed or was not measurable).")
     else:
         lines.append(f"VERDICT: {f.title}")
-        lines.append(f"  {f.recoverable_ms:.1f} ms per step recoverable ({f.share_of_step:.0%} of the step), "
-                     f"rank(s) {', '.join(map(str, f.ranks))}, confidence {f.confidence}")
+        if f.kind == "capacity":
+            lines.append(f"  {_printable(_reason(d, f.id))} (capacity: no step time lost), confidence {f.confidence}")
+        else:
+            lines.append(f"  {f.recoverable_ms:.1f} ms per step recoverable ({f.share_of_step:.0%} of the step), "
+                         f"rank(s) {', '.join(map(str, f.ranks))}, confidence {f.confidence}")
         lines.append(f"  fix: {f.fix}")
     found = len(r.ranks_found)
     ws = r.world_size or found

@@ -81,7 +81,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     checks, warnings = run_checklist(ctx, th)
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
-                      key=lambda f: (-f.recoverable_ms, order.get(f.id, 99)))
+                      key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
     extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx)}
     return Diagnosis(run=run_facts(run, ctx), checks=tuple(checks), findings=tuple(findings),
                      breakdown=ctx.steps, warnings=tuple(run.warnings + warnings),

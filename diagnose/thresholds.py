@@ -46,6 +46,34 @@ class Thresholds:
     severity_medium: float = 0.10
     """>= 10% is medium; below that, low."""
 
+    memory_headroom: float = 0.10
+    """Device memory is "tight" when the peak reserved by the caching allocator leaves
+    under 10% of the device free. Arithmetic, not a fit: the smallest change anyone tries
+    (a 10% larger micro-batch or sequence) grows activations by about 10%, and activations
+    are usually the largest share of the peak, so below 10% free that change runs out of
+    memory; the allocator's fragmentation takes a few percent more."""
+
+    pipeline_bubble: float = 0.10
+    """Flag pipeline idle (bubble) from 10% of the step: the same level at which idle
+    device time is worth acting on elsewhere in the checklist (HTA's idle-time view). With
+    p stages the GPipe bound (p - 1) / (m + p - 1) falls under 10% only for m >= 9 (p - 1)
+    micro-batches, so most real schedules sit above it and the check says how far."""
+
+    pipeline_imbalance: float = 0.10
+    """Name unbalanced stages when the slowest stage computes >= 10% more per step than the
+    mean stage: every micro-batch then waits for it, costing about that share of the step
+    (step ~ (m + p - 1) x slowest stage's micro-batch time)."""
+
+    checkpoint: float = 0.05
+    """Flag checkpoint writes that block the loop from 5% of wall time (amortised per step):
+    checkpoint-frequency tuners (CheckFreq, FAST '21) hold the overhead to a few percent,
+    and 5% is the floor the checklist already uses for input stalls."""
+
+    host_sync: float = 0.05
+    """Flag host-device synchronisation when the device idle it causes reaches 5% of the
+    step: a blocking sync stalls the device queue exactly like a blocking host-to-device
+    copy, so it takes the input-stall floor."""
+
     healthy_floor_ms: float = 0.05
     """Ignore causes under 50 us per step: below timer and alignment noise."""
 

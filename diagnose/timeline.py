@@ -41,6 +41,9 @@ CPU_COMM_ENQUEUE = re.compile(r"^(c10d::|record_param_comms$|nccl:)")
 # DDP's own bucketing work on the host (gradient division, copies into and out of
 # buckets): communication overhead that grows with world size, not model compute.
 DDP_REDUCER = re.compile(r"reducer::")
+# Point-to-point transfers (pipeline parallelism) are not collectives: nothing to match
+# across all ranks. gloo records them on the training thread itself.
+P2P = re.compile(r"^(gloo:(send|recv)|c10d::(send|recv_|recv_any_source_))$")
 _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2,
                 "bfloat16": 2, "int": 4, "int32": 4, "long": 8, "int64": 8, "int8": 1, "uint8": 1,
                 "char": 1, "byte": 1, "short": 2, "int16": 2, "bool": 1, "c10::half": 2,
@@ -65,6 +68,8 @@ class RankTimeline:
     """CPU ops on the training threads (GPU traces: the host side that launches work)."""
     collectives: pd.DataFrame
     """One row per collective instance on this rank, in order (COLLECTIVE_COLUMNS)."""
+    comm_threads: frozenset[str]
+    """Thread ids that only run communication (gloo's runloop threads)."""
     warnings: tuple[str, ...]
 
 
@@ -169,9 +174,10 @@ def _collectives(trace: RankTrace, is_gpu: bool, steps: pd.DataFrame, comm_tids:
         ends = (sel["ts"] + sel["dur"]).to_numpy()
         rows = sel.index.to_numpy()
     else:
-        mask = _names_matching(ev, CPU_COMM_TRANSFER) & _kind_mask(ev, KIND_ANNOTATION, KIND_CPU_OP)
+        p2p = _names_matching(ev, P2P)
+        mask = _names_matching(ev, CPU_COMM_TRANSFER) & _kind_mask(ev, KIND_ANNOTATION, KIND_CPU_OP) & ~p2p
         sel = ev[mask].sort_values("ts")
-        enq = ev[_names_matching(ev, re.compile(r"^c10d::")) & _kind_mask(ev, KIND_CPU_OP)]
+        enq = ev[_names_matching(ev, re.compile(r"^c10d::")) & _kind_mask(ev, KIND_CPU_OP) & ~p2p]
         enq = enq[~enq["tid"].astype(str).isin(comm_tids)].sort_values("ts")
         arrival = sel["ts"].to_numpy().copy()
         if len(enq) == len(sel) and len(sel):
@@ -203,7 +209,10 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
     dataloader = union(dl["ts"], dl["ts"] + dl["dur"])
 
     transfer = _names_matching(ev, CPU_COMM_TRANSFER)
-    comm_tids = set(ev.loc[transfer, "tid"].astype(str))
+    # gloo's runloop threads; the training thread (which holds ProfilerStep) may record
+    # gloo:send/recv itself and must stay a compute thread
+    train_tids = set(ev.loc[_names_matching(ev, PROFILER_STEP), "tid"].astype(str))
+    comm_tids = set(ev.loc[transfer, "tid"].astype(str)) - train_tids
     host_kinds = _kind_mask(ev, KIND_CPU_OP, KIND_ANNOTATION)
     on_comm_thread = ev["tid"].astype(str).isin(comm_tids).to_numpy()
     framing = _names_matching(ev, PROFILER_STEP) | dl_mask
@@ -225,7 +234,7 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
     collectives = _collectives(trace, is_gpu, steps, comm_tids)
     return RankTimeline(rank=rank, file=trace.path.name, is_gpu=is_gpu, step_source=source, steps=steps,
                         compute=compute, comm=comm, dataloader=dataloader, host_busy=host_busy,
-                        collectives=collectives, warnings=tuple(warnings))
+                        collectives=collectives, comm_threads=frozenset(comm_tids), warnings=tuple(warnings))
 
 
 def runtime_launch_delay(ev: pd.DataFrame) -> np.ndarray:

@@ -81,16 +81,15 @@ def watch(out_dir: str | Path, schedule: str | Schedule | None = None, collectiv
     sch = schedule if isinstance(schedule, Schedule) else Schedule.parse(schedule)
     probe = Probe(out_dir, rank, world, sch)
     undo = []
-    if collectives:
-        from probes.patches import _collectives, _ddp
+    from probes.patches import _checkpoint, _collectives, _ddp, _memory
 
-        for part in (_collectives, _ddp):
-            try:
-                u = part(probe)
-                if u:
-                    undo.append(u)
-            except Exception as exc:  # noqa: BLE001
-                probe._fail("hooks", exc)
+    for part in ((_collectives, _ddp, _memory, _checkpoint) if collectives else (_memory, _checkpoint)):
+        try:
+            u = part(probe)
+            if u:
+                undo.append(u)
+        except Exception as exc:  # noqa: BLE001
+            probe._fail("hooks", exc)
     _record_facts(probe)
     try:
         yield Watch(probe)

@@ -75,7 +75,7 @@ class _TimedIter:
 def install(probe: Probe) -> list:
     """Install all hooks; returns undo callables. Each part fails on its own."""
     undo: list = []
-    for part in (_dataloader, _optimizer, _collectives, _ddp):
+    for part in (_dataloader, _optimizer, _collectives, _ddp, _memory, _checkpoint):
         try:
             u = part(probe)
             if u:
@@ -271,3 +271,15 @@ def _ddp(probe: Probe):
         DDP.register_comm_hook = orig_register
 
     return undo
+
+
+def _memory(probe: Probe):
+    from probes import memory_hook
+
+    return memory_hook.install(probe)
+
+
+def _checkpoint(probe: Probe):
+    from probes import checkpoint_hook
+
+    return checkpoint_hook.install(probe)

@@ -135,7 +135,7 @@ def _cpu(ctx: Context, th: Thresholds) -> Check:
     for r, tl in run.timelines.items():
         ev = run.traces[r].events
         host_kinds = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
-        comm_tids = set(ev.loc[_names_matching(ev, CPU_COMM_TRANSFER), "tid"].astype(str))
+        comm_tids = tl.comm_threads
         excl = (_names_matching(ev, PROFILER_STEP) | _names_matching(ev, DATALOADER)
                 | _names_matching(ev, CPU_COMM_ENQUEUE) | _names_matching(ev, CPU_COMM_TRANSFER))
         ops = ev[host_kinds & ~excl & ~ev["tid"].astype(str).isin(comm_tids).to_numpy()]

@@ -1,0 +1,191 @@
+"""8. Host-device synchronisation inside the step (.item(), .cpu(), synchronize()).
+
+A synchronising runtime call (cudaStreamSynchronize, cudaDeviceSynchronize,
+cudaEventSynchronize, a synchronous cudaMemcpy; hip* alike) blocks the host until the
+device has drained its queue. The device then sits idle until the host has launched new
+work: the cost of the sync is that idle, not the call's own duration (while the host
+waits, the device is still busy with work queued earlier).
+
+Estimation: per rank, for every synchronising call inside a step whose wait actually
+drained the device (the device was busy when the call began and idle when it returned),
+the interval from the end of the device's last activity to the start of its next activity
+(kernel, copy or memset on any stream), outside DataLoader waits; the union of these
+intervals per step, mean over steps; job-level: the median rank. Each call is attributed
+to the innermost CPU op around it on the same thread (aten::_local_scalar_dense = .item(),
+aten::_to_copy / copy_ = .cpu() / .to(), aten::nonzero = data-dependent shapes; none =
+an explicit synchronize()).
+
+The part of this idle after the sync returns is host time launching the next work, which
+the launch_overhead check also counts (it excludes only the sync calls themselves).
+CPU-only traces have no device queue: .item() and .cpu() cost nothing extra there, and the
+check says it cannot be measured.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+
+from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
+from diagnose.context import Context
+from diagnose.ingest.load import KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, KIND_RUNTIME
+from diagnose.intervals import covered, subtract, union
+from diagnose.model import Check, Finding
+from diagnose.thresholds import Thresholds
+from diagnose.timeline import _names_matching
+
+ID = "host_sync"
+TITLE = "Host-device synchronisation stalls the device (.item(), .cpu(), synchronize())"
+FIX = ("Keep the step free of host-device syncs: leave losses and metrics on the device and read them once "
+       "per logging interval (one .item() every N steps), avoid .cpu()/.tolist()/print() of device tensors "
+       "in the loop, replace data-dependent ops (nonzero, boolean-mask indexing) with fixed-shape ones "
+       "(torch.where), copy with non_blocking=True into pinned memory, and drop torch.cuda.synchronize() "
+       "outside benchmarks. torch.cuda.set_sync_debug_mode('warn') names every sync with its stack.")
+SYNC_CALL = re.compile(
+    r"^(cuda|hip)(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy|Memcpy2D|Memcpy3D|MemcpyDtoH|"
+    r"MemcpyHtoD|MemcpyFromSymbol|MemcpyToSymbol)$|^cu(StreamSynchronize|CtxSynchronize|EventSynchronize|"
+    r"MemcpyDtoH|MemcpyHtoD)(_v2)?$")
+ITEM = re.compile(r"^aten::(_local_scalar_dense|item)$")
+_CAUSES = (
+    (ITEM, ".item() (a Python number from a device tensor)"),
+    (re.compile(r"^aten::(_to_copy|copy_|to|cpu|_copy_from|_copy_from_and_resize|tolist)$"),
+     ".cpu() / .to() / copy_ (a blocking device-host copy)"),
+    (re.compile(r"^aten::(nonzero|masked_select|unique|_unique2|index|repeat_interleave|bincount|histc)"),
+     "a data-dependent output shape (nonzero, masked_select, boolean indexing)"),
+)
+MAX_LABELLED = 2000  # attributing a call to its op is a scan per call: the longest ones are enough
+
+
+def _cause(op: str | None) -> str:
+    if op is None:
+        return "an explicit synchronize() (no op around the call)"
+    for pattern, label in _CAUSES:
+        if pattern.search(op):
+            return label
+    return f"inside {op}"
+
+
+def _innermost_ops(ev: pd.DataFrame, calls: pd.DataFrame) -> list[str | None]:
+    """Name of the shortest CPU op enclosing each call on the same thread (None if none)."""
+    ops = ev[(ev["kind"] == KIND_CPU_OP).to_numpy()]
+    out: list[str | None] = []
+    by_tid = {tid: g for tid, g in ops.groupby("tid", observed=True)}
+    for tid, ts, end in zip(calls["tid"], calls["ts"], calls["ts"] + calls["dur"]):
+        g = by_tid.get(tid)
+        if g is None:
+            out.append(None)
+            continue
+        mask = (g["ts"].to_numpy() <= ts) & ((g["ts"] + g["dur"]).to_numpy() >= end)
+        if not mask.any():
+            out.append(None)
+            continue
+        sub = g[mask]
+        out.append(str(sub["name"].iloc[int(np.argmin(sub["dur"].to_numpy()))]))
+    return out
+
+
+def _rank(ctx: Context, r: int) -> dict:
+    """Per-rank measurement: caused idle per step, calls per step, host time blocked, evidence rows."""
+    run = ctx.run
+    tl = run.timelines[r]
+    ev = run.traces[r].events
+    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    calls = ev[(ev["kind"] == KIND_RUNTIME).to_numpy() & _names_matching(ev, SYNC_CALL)]
+    in_step = np.zeros(len(calls), dtype=bool)
+    ts = calls["ts"].to_numpy()
+    for s, e in zip(lo, hi):
+        in_step |= (ts >= s) & (ts < e)
+    calls = calls[in_step]
+    dev = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY, KIND_MEMSET]).to_numpy()]
+    busy = union(dev["ts"], dev["ts"] + dev["dur"])
+    starts, ends = busy.starts, busy.ends
+    idle_lo, idle_hi, caused = [], [], []
+    for c0, c1 in zip(calls["ts"].to_numpy(), (calls["ts"] + calls["dur"]).to_numpy()):
+        j = int(np.searchsorted(starts, c1, side="right")) - 1
+        if j >= 0 and ends[j] > c1:
+            caused.append(0.0)  # other work still runs on the device: this call drained nothing
+            continue
+        last_end = ends[j] if j >= 0 else -np.inf
+        if last_end < c0 or j + 1 >= len(starts):
+            caused.append(0.0)  # the queue was already empty: the idle is the host's, not the sync's
+            continue
+        idle_lo.append(last_end)
+        idle_hi.append(starts[j + 1])
+        caused.append(starts[j + 1] - last_end)
+    idle = subtract(union(np.asarray(idle_lo, dtype=float), np.asarray(idle_hi, dtype=float)), tl.dataloader)
+    per_step_ms = covered(idle, lo, hi) / 1000
+    calls = calls.assign(caused=np.asarray(caused, dtype=float))
+    labelled = calls.nlargest(MAX_LABELLED, ["caused", "dur"])
+    causes = pd.Series(_innermost_ops(ev, labelled), index=labelled.index, dtype=object)
+    items = ev[(ev["kind"] == KIND_CPU_OP).to_numpy() & _names_matching(ev, re.compile(r"^aten::item$"))]
+    n_items = int(sum(((items["ts"] >= s) & (items["ts"] < e)).sum() for s, e in zip(lo, hi)))
+    return {"ms": float(np.mean(per_step_ms)) if len(per_step_ms) else 0.0, "calls": calls, "causes": causes,
+            "steps": len(lo), "blocked_ms": float(calls["dur"].sum()) / 1000 / max(len(lo), 1),
+            "items_per_step": n_items / max(len(lo), 1)}
+
+
+def analyze(ctx: Context, th: Thresholds) -> list[Check]:
+    run = ctx.run
+    if not run.is_gpu:
+        n_items = sum(int((run.traces[r].events["name"] == "aten::item").sum()) for r in run.ranks)
+        gpus = any(run.traces[r].meta.get("deviceProperties") for r in run.ranks)
+        why = ("the trace lists GPUs but holds no GPU events (CUDA activity not recorded): syncs cannot be "
+               "timed; profile with ProfilerActivity.CUDA" if gpus else
+               "not measurable on CPU: a CPU-only run has no device queue to drain, so .item()/.cpu() stall "
+               f"nothing ({n_items} aten::item call(s) seen in the trace)")
+        return [not_measurable(ID, TITLE, why)]
+    if not any((run.traces[r].events["kind"] == KIND_RUNTIME).any() for r in run.ranks):
+        return [not_measurable(ID, TITLE, "no CUDA/HIP runtime events in the trace (sampled or filtered): "
+                               "synchronising calls cannot be seen")]
+    per = {r: _rank(ctx, r) for r in run.ranks}
+    n_calls = {r: len(p["calls"]) / max(p["steps"], 1) for r, p in per.items()}
+    if not any(len(p["calls"]) for p in per.values()):
+        return [passed(ID, TITLE, "no synchronising runtime calls (cudaStreamSynchronize, cudaDeviceSynchronize, "
+                       "cudaEventSynchronize, synchronous cudaMemcpy) inside the profiled steps")]
+    ms_by_rank = {r: p["ms"] for r, p in per.items()}
+    ms = float(np.median(list(ms_by_rank.values())))
+    share = ms / ctx.mean_step_ms
+    all_calls = pd.concat([p["calls"].assign(rank=r) for r, p in per.items()])
+    by_cause: dict[str, int] = {}
+    for r, p in per.items():
+        for op in p["causes"]:
+            label = _cause(op)
+            by_cause[label] = by_cause.get(label, 0) + 1
+    metrics: dict[str, float | int | str] = {
+        "device_idle_after_sync_ms_per_step": round(ms, 3),
+        "share_of_step": round(share, 4),
+        "sync_calls_per_step": round(float(np.median(list(n_calls.values()))), 1),
+        "host_blocked_in_sync_ms_per_step": round(float(np.median([p["blocked_ms"] for p in per.values()])), 3),
+        "aten_item_calls_per_step": round(float(np.median([p["items_per_step"] for p in per.values()])), 1),
+        "calls_by_name_all_ranks": ", ".join(f"{n} x{c}" for n, c in
+                                             all_calls["name"].astype(str).value_counts().items()),
+        "calls_by_cause_all_ranks": "; ".join(f"{k} x{v}" for k, v in
+                                              sorted(by_cause.items(), key=lambda kv: -kv[1])),
+    }
+    for r in sorted(per):
+        metrics[f"rank{r}_sync_idle_ms"] = round(ms_by_rank[r], 3)
+    top = all_calls.sort_values(["caused", "dur"], ascending=False).head(6)
+    refs = []
+    for row, c in top.iterrows():
+        r = int(c["rank"])
+        op = per[r]["causes"].get(row)
+        refs.append(ctx.event_ref(r, int(row), f"host blocked {c['dur'] / 1000:.3f} ms, device then idle "
+                                  f"{c['caused'] / 1000:.3f} ms; {_cause(op)}"))
+    ranks = tuple(r for r, v in ms_by_rank.items() if v / ctx.mean_step_ms >= th.host_sync) or tuple(
+        r for r in run.ranks if len(per[r]["calls"]))
+    linked = any(run.traces[r].flows for r in run.ranks)
+    f = Finding(
+        id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
+        ranks=ranks, metrics=metrics, events=tuple(refs), fix=FIX,
+        confidence=confidence_for(ctx, "high" if linked else "medium"),
+        method="Median over ranks of per-step device idle that follows a synchronising call which drained the "
+               "device queue: from the device's last activity before the call returned to its next activity.")
+    reason = (f"{metrics['sync_calls_per_step']:g} synchronising call(s) per step leave the device idle "
+              f"{ms:.2f} ms per step ({share:.1%}); main cause: {max(by_cause, key=by_cause.get)}")
+    check = flag_or_pass(f, th.host_sync, th, reason)
+    if check.status != "flagged":
+        check = replace(check, reason=f"{check.reason}; {metrics['sync_calls_per_step']:g} sync call(s) per step, "
+                        f"main cause {max(by_cause, key=by_cause.get)}", finding=f)
+    return [check]

@@ -1,0 +1,198 @@
+"""The checks beyond the classic four: device memory, pipeline bubbles, checkpoint I/O, host syncs.
+
+Arithmetic and classification on small hand-built inputs; host syncs on the real shared
+GPU traces (recomputed independently from the raw JSON for one rank).
+"""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from diagnose.analyzers import CHECKLIST, host_sync, memory, pipeline_bubbles
+from diagnose.context import build_context
+from diagnose.model import CHECK_ORDER
+from diagnose.run import load_run
+from diagnose.thresholds import DEFAULT
+from tests.conftest import shared
+
+NEW = ("device_memory", "pipeline_bubble", "checkpoint_io", "host_sync")
+
+
+def test_new_checks_follow_the_classic_four():
+    assert CHECK_ORDER[-4:] == NEW
+    names = [n for n, _ in CHECKLIST]
+    assert names[:4] == ["dataloader", "communication", "straggler", "launch_overhead"]
+    assert names[4:] == list(NEW)
+
+
+# ---- device memory: the arithmetic engineers do -------------------------------------
+
+def _meta(optimizer: str, params: int, elem: int, state: int | None, wrapper: str = "DistributedDataParallel"):
+    return {"optimizers": [{"optimizer": optimizer, "params": params, "param_bytes": params * elem,
+                            "dtypes": ["float32" if elem == 4 else "bfloat16"], "state_tensors_per_param": state}],
+            "model": {"params": params, "param_bytes": params * elem, "wrapper": wrapper}}
+
+
+@pytest.mark.parametrize("optimizer, elem, state, per_param", [
+    ("Adam", 4, 2, 16),     # fp32 weights 4 + grads 4 + two moments 8
+    ("AdamW", 2, 2, 8),     # pure bf16 training: everything in 2 bytes
+    ("SGD", 4, 1, 12),      # momentum: one buffer per parameter
+    ("SGD", 4, None, 8),    # plain SGD: no state at all
+    ("Adam", 4, None, 16),  # state not counted by the probe: known from the optimizer's name
+])
+def test_model_state_bytes_per_param(optimizer, elem, state, per_param):
+    m = memory._rank_memory(0, _meta(optimizer, 1_000_000, elem, state))
+    assert m.source == "arithmetic"
+    assert m.model_state / m.params == per_param
+
+
+def test_measured_tensors_take_precedence():
+    meta = {**_meta("Adam", 1000, 4, 2),
+            "memory_tensors": [{"optimizer": "Adam", "params": 1000, "param_bytes": 4000, "grad_bytes": 4000,
+                                "state_bytes": 8024}]}
+    m = memory._rank_memory(0, meta)
+    assert m.source == "measured" and m.state == 8024 and m.model_state == 16024
+
+
+def test_sharding_advice_in_bytes_for_this_model():
+    p = 10_000_000
+    m = memory._rank_memory(0, {**_meta("Adam", p, 4, 2), "device_memory": {
+        "peak_allocated_bytes": 16 * p + 200_000_000, "peak_reserved_bytes": 16 * p + 260_000_000,
+        "total_bytes": 16 * p + 270_000_000}})
+    assert m.activations == 200_000_000
+    advice = dict((name, saves) for name, saves, _ in memory._advice(m, dp=4, sharded=False))
+    assert list(advice) == ["precision", "micro-batch", "activation checkpointing", "sharding",
+                            "tensor/pipeline parallel"]
+    assert advice["precision"] == advice["micro-batch"] == 100_000_000  # half the activations
+    assert advice["activation checkpointing"] == 200_000_000
+    assert advice["sharding"] == pytest.approx(16 * p * 3 / 4)  # ZeRO-3 over 4 ranks
+    assert advice["tensor/pipeline parallel"] == 8 * p
+    _, _, how = memory._advice(m, dp=4, sharded=False)[3]
+    assert "ZeRO-1 (optimizer state) frees 60.00 MB" in how  # 8 B/param x 10 M x 3/4
+    assert dict((n, s) for n, s, _ in memory._advice(m, dp=1, sharded=False))["sharding"] == 0
+
+
+# ---- pipeline bubbles -----------------------------------------------------------------
+
+@pytest.mark.parametrize("p, m, v, bound", [(2, 1, 1, 0.5), (2, 4, 1, 0.2), (4, 8, 1, 3 / 11), (4, 8, 2, 3 / 19)])
+def test_bubble_bound(p, m, v, bound):
+    assert pipeline_bubbles.bubble_bound(p, m, v) == pytest.approx(bound)
+
+
+def test_microbatch_labels_of_torch_pipelining():
+    pat = pipeline_bubbles.MICROBATCH
+    assert pat.match("Forward 3").groups()[:2] == ("Forward", "3")
+    assert pat.match("PP:1F0").groups()[2:] == ("1", "F", "0")
+    assert not pat.match("Forward") and not pat.match("PP:1RECV_F0")
+
+
+# ---- checkpoint: atomic-write detection -------------------------------------------------
+
+@pytest.mark.parametrize("name, temp", [("ckpt_step3.pt", False), ("model.safetensors", False),
+                                        ("ckpt_step3.pt.tmp", True), (".ckpt.pt.x1y2", True),
+                                        ("tmpab12cd", True), ("ckpt.partial", True)])
+def test_temp_names(name, temp):
+    from probes.checkpoint_hook import TEMP_NAME
+
+    assert bool(TEMP_NAME.search(name)) == temp
+
+
+# ---- host syncs on real GPU traces ------------------------------------------------------
+
+def _check(ctx, analyze):
+    (c,) = analyze(ctx, DEFAULT)
+    return c
+
+
+def _raw_sync_idle_ms(path) -> float:
+    """Independent of the analyzer: from the raw JSON, per cudaStreamSynchronize that found the
+    device busy, the device idle from its last activity to its next one; summed, in ms."""
+    with gzip.open(path) as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    dev = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    step = next(e for e in ev if str(e.get("name", "")).startswith("ProfilerStep#"))
+    total = 0.0
+    for s in (e for e in ev if e.get("name") == "cudaStreamSynchronize"):
+        s0, s1 = s["ts"], s["ts"] + s["dur"]
+        if not step["ts"] <= s0 < step["ts"] + step["dur"]:
+            continue
+        before = [(a, b) for a, b in dev if a <= s1]
+        if any(b > s1 for _, b in before):
+            continue  # still busy when the call returned
+        last = max(b for _, b in before)
+        nxt = [a for a, _ in dev if a > s1]
+        if last >= s0 and nxt:
+            total += min(nxt) - last
+    return total / 1000
+
+
+def test_host_syncs_on_dlrm():
+    path = shared("param_dlrm_8rank_v100")
+    ctx = build_context(load_run([path]))
+    c = _check(ctx, host_sync.analyze)
+    f = c.finding
+    assert c.status in ("passed", "flagged") and f is not None
+    m = f.metrics
+    assert m["sync_calls_per_step"] == 10  # every rank: 10 cudaStreamSynchronize per step
+    assert m["calls_by_name_all_ranks"] == "cudaStreamSynchronize x80"
+    assert m["calls_by_cause_all_ranks"].startswith(".cpu() / .to()")  # all under aten::to / _to_copy / copy_
+    raw = _raw_sync_idle_ms(sorted(path.glob("worker0_*.json.gz"))[0])
+    assert m["rank0_sync_idle_ms"] == pytest.approx(raw, abs=1e-3)
+    assert 0 < f.recoverable_ms < 0.05 * ctx.mean_step_ms  # a few tenths of a ms on a 14-20 ms step
+    assert c.status == "passed"
+    ev = f.events[0]
+    assert ev.name == "cudaStreamSynchronize" and ev.step is not None and "device then idle" in ev.note
+
+
+def test_host_syncs_on_other_gpu_traces():
+    ctx = build_context(load_run([shared("kineto_resnet50_dataloader_v100/nw0")]))
+    f = _check(ctx, host_sync.analyze).finding
+    assert f.metrics["sync_calls_per_step"] == 2  # the blocking input copies
+    assert f.metrics["calls_by_cause_all_ranks"].startswith(".cpu() / .to() / copy_")
+    ctx = build_context(load_run([shared("hta_nccl_data_rank0of2_a100")]))
+    f = _check(ctx, host_sync.analyze).finding
+    assert "cudaEventSynchronize" in f.metrics["calls_by_name_all_ranks"]
+    ctx = build_context(load_run([shared("edge_hta_ddp_world1_v100")]))
+    assert _check(ctx, host_sync.analyze).status == "passed"
+
+
+def test_host_syncs_not_measurable_on_cpu_trace():
+    ctx = build_context(load_run([shared("edge_hta_cpu_only_gloo_rank34of300")]))
+    c = _check(ctx, host_sync.analyze)
+    assert c.status == "not_measurable" and "not measurable on CPU" in c.reason
+
+
+def test_new_checks_on_bare_gpu_traces_say_what_they_cannot_see():
+    ctx = build_context(load_run([shared("param_dlrm_8rank_v100")]))
+    checks = {c.id: c for _, a in CHECKLIST[4:] for c in a(ctx, DEFAULT)}
+    assert checks["device_memory"].status == "not_measurable"  # no probes: no parameter count
+    assert checks["checkpoint_io"].status == "not_measurable"
+    assert checks["pipeline_bubble"].status == "passed"  # collectives only, no send/recv
+
+
+def test_small_micro_batch_blamed_on_tight_memory():
+    """A host-bound real GPU trace (launch_overhead fires) plus a sidecar saying memory is nearly full."""
+    import pandas as pd
+
+    from diagnose.analyzers import launch
+    from diagnose.probedata import ProbeData
+
+    run = load_run([shared("hta_nccl_data_rank0of2_a100")])
+    p, total = 50_000_000, 40 * 10**9
+    meta = {**_meta("AdamW", p, 4, 2), "device_memory": {
+        "peak_allocated_bytes": int(0.93 * total), "peak_reserved_bytes": int(0.96 * total), "total_bytes": total}}
+    ctx = build_context(run, {0: ProbeData(rank=0, meta=meta, steps=pd.DataFrame(), collectives=pd.DataFrame())})
+    assert [c.status for c in launch.analyze(ctx, DEFAULT)] == ["flagged"]
+    (c,) = memory.analyze(ctx, DEFAULT)
+    assert c.status == "flagged" and "micro-batch is small because memory is tight" in c.reason
+    f = c.finding
+    assert f.recoverable_ms == 0 and f.metrics["headroom"] == pytest.approx(0.04)
+    assert f.metrics["activations_bytes"] == int(0.93 * total) - 16 * p
+    assert f.fix.startswith("The micro-batch is small because memory is tight")
+    # the same memory with room to spare is a pass, with the breakdown kept
+    roomy = {**meta, "device_memory": {**meta["device_memory"], "total_bytes": 4 * total}}
+    ctx = build_context(run, {0: ProbeData(rank=0, meta=roomy, steps=pd.DataFrame(), collectives=pd.DataFrame())})
+    (c,) = memory.analyze(ctx, DEFAULT)
+    assert c.status == "passed" and c.finding.metrics["headroom"] == pytest.approx(0.76)
