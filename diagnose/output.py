@@ -14,9 +14,11 @@ from diagnose.model import Diagnosis
 
 
 def _clean(x):
-    """JSON has no NaN/inf: write null."""
+    """JSON has no NaN/inf: write null. Non-UTF-8 bytes in file names (surrogates) become U+FFFD."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
+    if isinstance(x, str):
+        return x.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     if isinstance(x, dict):
         return {str(k): _clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

@@ -1,26 +1,37 @@
 """Assemble a Run: load every rank's trace, check they belong together, align clocks.
 
-Policy for bad input (see README "Bad input"): a file that cannot be used is
-skipped with its reason when other ranks remain (degrade); when nothing usable
-remains, the first file's problem is raised (error, exit 2).
+Policy for bad input (docs/bad-input.md): a file that cannot be used is skipped with
+its reason when other ranks remain (degrade); when nothing usable remains, the first
+file's problem is raised (error, exit 2). Files that cannot belong to one run (two
+files for a rank, different world sizes, profiles that do not overlap in time) are
+refused: which run the user meant is not ours to guess.
+
+Each rank is parsed and reduced to its timeline in one step (`_load_one`), in worker
+processes when the input is large, so the parent never holds a rank's raw JSON.
 """
 from __future__ import annotations
 
 import os
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from diagnose.errors import DiagnoseError
+from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
 from diagnose.timeline import RankTimeline, build_timeline
 
-# Below this total size, worker processes cost more to start than they save.
-PARALLEL_MIN_BYTES = 64 * 1024**2
+# Below this much JSON in total, worker processes cost more to start than they save.
+PARALLEL_MIN_BYTES = 32 * 1024**2
+GZIP_RATIO = 8
+INTERNAL_ERROR = "internal error"
+# Profiles of one run overlap in time; across hosts, clocks may disagree by this much.
+SAME_HOST_SLACK_US = 1e6
+CROSS_HOST_SLACK_US = 600e6
 
 
 @dataclass(slots=True)
@@ -49,26 +60,54 @@ class Run:
         return any(t.is_gpu for t in self.timelines.values())
 
 
-def _load_one(args: tuple[str, int]) -> tuple[RankTrace | None, str | None]:
+@dataclass(slots=True)
+class Loaded:
+    """One file's outcome: its trace and timeline, or why it cannot be used."""
+
+    path: Path
+    trace: RankTrace | None = None
+    timeline: RankTimeline | None = None
+    error: str | None = None
+
+
+def _load_one(args: tuple[str, int]) -> Loaded:
     path, max_bytes = args
     try:
-        return load_trace(path, max_bytes), None
+        trace = load_trace(path, max_bytes)
+        # the rank is provisional until all files are seen; 0 is what a lone unranked file becomes
+        timeline = build_timeline(trace, trace.rank if trace.rank is not None else 0)
+        return Loaded(Path(path), trace, timeline)
     except DiagnoseError as exc:
-        return None, str(exc)
+        return Loaded(Path(path), error=str(exc))
+    except MemoryError:
+        return Loaded(Path(path), error=one_line(f"{path}: out of memory while reading (raise the machine's "
+                                                 "memory or pass fewer files)"))
+    except Exception as exc:  # a reader bug must cost the user one file, never the whole analysis
+        detail = " ".join(str(exc).split())[:200]
+        return Loaded(Path(path), error=one_line(f"{path}: could not be read ({INTERNAL_ERROR}: "
+                                                 f"{type(exc).__name__}: {detail}; please report it)"))
 
 
-def load_files(files: list[Path], max_bytes: int, jobs: int | None) -> tuple[list[RankTrace], list[str]]:
-    total = sum(f.stat().st_size for f in files)
+def _size(f: Path) -> int:
+    """Bytes to parse, roughly: gzip'd traces expand about 8x."""
+    try:
+        size = f.stat().st_size
+    except OSError:
+        return 0
+    return size * GZIP_RATIO if f.name.endswith(".gz") else size
+
+
+def load_files(files: list[Path], max_bytes: int, jobs: int | None) -> list[Loaded]:
+    total = sum(_size(f) for f in files)
     work = [(str(f), max_bytes) for f in files]
     workers = min(jobs or os.cpu_count() or 1, len(files))
     if workers > 1 and total >= PARALLEL_MIN_BYTES:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(_load_one, work))
-    else:
-        results = [_load_one(w) for w in work]
-    traces = [t for t, _ in results if t is not None]
-    errors = [e for _, e in results if e is not None]
-    return traces, errors
+        try:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                return list(pool.map(_load_one, work))
+        except (OSError, BrokenProcessPool):
+            pass  # no processes to be had (sandbox, limits, a worker killed): read here instead
+    return [_load_one(w) for w in work]
 
 
 def _assign_ranks(traces: list[RankTrace], warnings: list[str]) -> dict[int, RankTrace]:
@@ -142,32 +181,66 @@ def _align_clocks(run_tl: dict[int, RankTimeline], traces: dict[int, RankTrace],
     return offsets
 
 
+def _span_us(t: RankTrace) -> tuple[float, float] | None:
+    """[first event start, last event end] on an absolute clock where the file says how."""
+    ev = t.events
+    if ev.empty:
+        return None
+    base = t.meta.get("baseTimeNanoseconds")
+    off = base / 1000 if type(base) is int and base > 0 else 0.0
+    return float(ev["ts"].min()) + off, float((ev["ts"] + ev["dur"]).max()) + off
+
+
+def _check_overlap(by_rank: dict[int, RankTrace]) -> None:
+    """Profiles of one run overlap in time: two that do not come from two runs."""
+    spans = {r: s for r, t in by_rank.items() if (s := _span_us(t)) is not None}
+    if len(spans) < 2:
+        return
+    late = max(spans, key=lambda r: spans[r][0])
+    early = min(spans, key=lambda r: spans[r][1])
+    gap = spans[late][0] - spans[early][1]
+    h1, h2 = by_rank[late].meta.get("host_name"), by_rank[early].meta.get("host_name")
+    slack = SAME_HOST_SLACK_US if isinstance(h1, str) and h1 == h2 else CROSS_HOST_SLACK_US
+    if gap > slack:
+        a, b = by_rank[early].path.name, by_rank[late].path.name
+        raise DiagnoseError(f"files from different runs: {b} starts {gap / 1e6:.1f} s after {a} ends "
+                            "(the ranks of one run are profiled at the same time); pass one run's files",
+                            by_rank[early].path.parent)
+
+
 def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, jobs: int | None = None) -> Run:
     files = discover_traces(paths)
-    traces, errors = load_files(files, max_bytes, jobs)
-    if not traces:
+    loaded = load_files(files, max_bytes, jobs)
+    errors = [x.error for x in loaded if x.error]
+    ok = [x for x in loaded if x.trace is not None and x.timeline is not None]
+    if not ok:
         raise DiagnoseError(errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more)")
-    warnings: list[str] = []
+    warnings: list[str] = [f"skipped {e}" for e in errors]
     skipped = list(errors)
-    warnings += [f"skipped {e}" for e in errors]
-    for t in traces:
-        warnings += t.warnings
-    by_rank = _assign_ranks(traces, warnings)
+    for x in ok:
+        warnings += x.trace.warnings
+    by_rank = _assign_ranks([x.trace for x in ok], warnings)
+    timeline_of = {id(x.trace): x.timeline for x in ok}
     world = _check_one_run(by_rank)
+    _check_overlap(by_rank)
     timelines: dict[int, RankTimeline] = {}
     for r, t in sorted(by_rank.items()):
-        tl = build_timeline(t, r)
+        tl = timeline_of[id(t)]
         warnings += tl.warnings
         if len(tl.steps) == 0:
-            skipped.append(f"{t.path}: no complete training step (no ProfilerStep#N or Optimizer.step markers)")
+            reason = "no complete training step (no ProfilerStep#N or Optimizer.step markers)"
+            if t.salvaged:
+                reason += "; the file was cut before a step ended"
+            skipped.append(f"{t.path}: {reason}")
+            warnings.append(f"skipped {t.path}: {reason}")
             continue
         timelines[r] = tl
     if not timelines:
-        first = next(iter(by_rank.values())).path
+        first = next(iter(by_rank.values()))
+        cut = "; the file was cut (killed job?) before a step ended" if first.salvaged and len(by_rank) == 1 else ""
         raise DiagnoseError("no complete training step found (no ProfilerStep#N or Optimizer.step markers; "
-                            "an inference or non-training trace?)", first if len(by_rank) == 1 else first.parent)
-    for s in skipped[len(errors):]:
-        warnings.append(f"skipped {s}")
+                            f"an inference or non-training trace?){cut}",
+                            first.path if len(by_rank) == 1 else first.path.parent)
     backends = {t.backend for t in by_rank.values() if t.backend}
     run = Run(traces={r: by_rank[r] for r in timelines}, timelines=timelines, world_size=world,
               backend=next(iter(backends)) if len(backends) == 1 else None, clock_offsets_us={},
@@ -178,4 +251,8 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
         miss = run.missing_ranks
         shown = ", ".join(map(str, miss[:10])) + (" ..." if len(miss) > 10 else "")
         warnings.append(f"{found} of {world} ranks: missing rank(s) {shown}")
+    salvaged = [r for r in run.ranks if run.traces[r].salvaged]
+    if salvaged:
+        warnings.append(f"rank(s) {', '.join(map(str, salvaged))} salvaged from cut files: "
+                        "findings that rely on them are less certain")
     return run

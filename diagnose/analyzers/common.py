@@ -15,6 +15,8 @@ def confidence_for(ctx, base: str = "high") -> str:
     run = ctx.run
     if run.world_size and len(run.ranks) < run.world_size and len(run.ranks) < 0.5 * run.world_size:
         level -= 1
+    if any(getattr(run.traces[r], "salvaged", False) for r in run.ranks):
+        level -= 1  # a trace cut short (a killed job): its last events are missing
     return levels[max(level, 0)]
 
 

@@ -19,12 +19,37 @@ def rank_from_name(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:
+        return False
+
+
 def _candidates(directory: Path) -> list[Path]:
     return sorted(
         p
-        for p in directory.iterdir()
-        if p.is_file() and p.name.endswith(TRACE_SUFFIXES) and not OWN_OUTPUTS.search(p.name)
+        for p in _listdir(directory)
+        if p.name.endswith(TRACE_SUFFIXES) and not OWN_OUTPUTS.search(p.name) and _is_file(p)
     )
+
+
+def _listdir(directory: Path) -> list[Path]:
+    try:
+        return list(directory.iterdir())
+    except OSError as exc:
+        raise DiagnoseError(f"cannot list directory ({exc.strerror or exc})", directory) from None
+
+
+def _subdirs_with_traces(directory: Path) -> list[Path]:
+    out = []
+    for d in sorted(_listdir(directory)):
+        try:
+            if d.is_dir() and _candidates(d):
+                out.append(d)
+        except DiagnoseError:
+            continue  # an unreadable subdirectory holds nothing we can use
+    return out
 
 
 def discover_traces(paths: list[str | Path]) -> list[Path]:
@@ -39,12 +64,14 @@ def discover_traces(paths: list[str | Path]) -> list[Path]:
         p = Path(raw)
         if not p.exists():
             raise DiagnoseError("no such file or directory", p)
-        if p.is_file():
+        if _is_file(p):
             found.append(p)
             continue
+        if not p.is_dir():
+            raise DiagnoseError("not a regular file or a directory", p)
         files = _candidates(p)
         if not files:
-            subdirs = sorted(d for d in p.iterdir() if d.is_dir() and _candidates(d))
+            subdirs = _subdirs_with_traces(p)
             if len(subdirs) == 1:
                 files = _candidates(subdirs[0])
             elif len(subdirs) > 1:
@@ -55,4 +82,4 @@ def discover_traces(paths: list[str | Path]) -> list[Path]:
         if not files:
             raise DiagnoseError("no trace files (*.json, *.json.gz) found", p)
         found.extend(files)
-    return found
+    return list(dict.fromkeys(found))  # a file named twice is one file

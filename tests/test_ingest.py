@@ -1,0 +1,285 @@
+"""The reader, unit by unit: byte source, JSON stream, columns, one file, one run."""
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from diagnose.errors import DiagnoseError
+from diagnose.ingest import jsonsafe
+from diagnose.ingest.columns import EventTable
+from diagnose.ingest.load import load_trace
+from diagnose.ingest.source import ReadState, iter_blocks
+from diagnose.ingest.stream import CHUNK, parse_stream
+from diagnose.run import _load_one, load_files, load_run
+from tests.conftest import SHARED
+
+
+def ev(name: str = "aten::mm", ts: float = 10.0, dur: float = 5.0, cat: str = "cpu_op", **kw) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, **kw}
+
+
+def steps_trace(n: int = 3, rank: int = 0, world: int = 1, t0: float = 1000.0, extra: list | None = None) -> dict:
+    evs = []
+    for s in range(n):
+        t = t0 + s * 100
+        evs += [ev(f"ProfilerStep#{s}", t, 100.0, "user_annotation"), ev("aten::mm", t + 10, 50.0)]
+    return {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": world},
+            "traceEvents": evs + (extra or []), "traceName": "x"}
+
+
+def kineto(doc: dict) -> bytes:
+    head = {k: v for k, v in doc.items() if k not in ("traceEvents", "traceName")}
+    body = b",\n".join(b"  " + orjson.dumps(e) for e in doc["traceEvents"])
+    return (orjson.dumps(head)[:-1] + b', "traceEvents": [\n' + body + b'\n  ], "traceName": "x"}\n')
+
+
+def write(tmp: Path, name: str, data: bytes | dict) -> Path:
+    p = tmp / name
+    p.write_bytes(kineto(data) if isinstance(data, dict) else data)
+    return p
+
+
+def stream(data: bytes, block: int = 7) -> tuple[list, object]:
+    got: list = []
+    res = parse_stream(iter(data[i: i + block] for i in range(0, len(data), block)), got.extend, Path("t.json"))
+    return got, res
+
+
+# -- source --------------------------------------------------------------------------------
+
+def test_gzip_is_recognised_by_magic_and_members_are_concatenated(tmp_path):
+    p = write(tmp_path, "rank0.json", gzip.compress(b"[1,") + gzip.compress(b"2]"))
+    assert b"".join(iter_blocks(ReadState(p, 1 << 20))) == b"[1,2]"
+
+
+def test_truncated_gzip_yields_what_it_can_and_says_so(tmp_path):
+    data = b"x" * 100_000 + bytes(range(256)) * 400
+    z = gzip.compress(data)
+    p = write(tmp_path, "a.json.gz", z[: len(z) // 2])
+    st = ReadState(p, 1 << 30)
+    out = b"".join(iter_blocks(st))
+    assert data.startswith(out) and 0 < len(out) < len(data)
+    assert st.cut and "ends early" in st.cut
+
+
+def test_decompression_is_bounded(tmp_path):
+    p = write(tmp_path, "a.json.gz", gzip.compress(b" " * (8 << 20)))
+    with pytest.raises(DiagnoseError, match="expands beyond the 1.0 MiB limit"):
+        b"".join(iter_blocks(ReadState(p, 1 << 20)))
+
+
+def test_plain_file_size_is_bounded(tmp_path):
+    p = write(tmp_path, "a.json", b" " * 5000)
+    with pytest.raises(DiagnoseError, match="larger than the 4.0 KiB limit"):
+        b"".join(iter_blocks(ReadState(p, 4096)))
+
+
+def test_garbage_gzip_is_an_error(tmp_path):
+    p = write(tmp_path, "a.json.gz", b"\x1f\x8b\x08garbage")
+    with pytest.raises(DiagnoseError, match="not a valid gzip file"):
+        b"".join(iter_blocks(ReadState(p, 1 << 20)))
+
+
+# -- stream --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [1, 3, 64, 1 << 20])
+def test_stream_layouts_in_any_block_size(block):
+    evs = [ev(f"e{i}") for i in range(50)]
+    for data in (kineto({"a": 1, "traceEvents": evs}), orjson.dumps(evs), orjson.dumps({"traceEvents": evs, "z": [1]}),
+                 b"\xef\xbb\xbf" + orjson.dumps(evs)):
+        got, res = stream(data, block)
+        assert got == evs and not res.salvaged
+
+
+def test_metadata_before_and_after_the_events():
+    data = kineto({"distributedInfo": {"rank": 3}, "deviceProperties": [{"name": "A"}, {"name": "B"}],
+                   "traceEvents": [ev()]})
+    _, res = stream(data)
+    assert res.meta == {"distributedInfo": {"rank": 3}, "deviceProperties": [{"name": "A"}, {"name": "B"}],
+                        "traceName": "x"}
+
+
+def test_false_boundaries_inside_strings_and_args_do_not_split_events():
+    tricky = [ev('a "}, {" b'), ev("x", args={"l": [{"k": 1}, {"k": 2}], "s": "}, {\"ph\": \"X\"}"}), ev("last")]
+    filler = [ev(f"f{i}") for i in range(CHUNK // 60)]  # enough to cross a chunk boundary
+    evs = filler + tricky + filler
+    got, res = stream(kineto({"traceEvents": evs}), 1 << 16)
+    assert got == evs and res.bad == 0
+
+
+def test_truncated_stream_keeps_every_complete_event():
+    evs = [ev(f"e{i}") for i in range(1000)]
+    data = kineto({"traceEvents": evs})
+    for cut in (len(data) // 3, len(data) - 40, data.index(b'"e500"') + 2):
+        got, res = stream(data[:cut], 4096)
+        assert res.salvaged
+        assert got == evs[: len(got)] and len(got) >= 1
+        assert data[:cut].count(b"},") - 1 <= len(got)
+
+
+def test_cut_in_the_metadata_after_the_events_keeps_all_events():
+    evs = [ev(f"e{i}") for i in range(10)]
+    data = kineto({"traceEvents": evs})
+    got, res = stream(data[: data.index(b'"traceName"') + 5])
+    assert got == evs and not res.salvaged
+    assert any("metadata after the events" in n for n in res.notes)
+
+
+def test_corrupt_event_in_the_middle_is_skipped_and_counted():
+    evs = [ev(f"e{i}") for i in range(20)]
+    data = kineto({"traceEvents": evs}).replace(b'"e7"', b'"e7" oops', 1)
+    got, res = stream(data)
+    assert [e["name"] for e in got] == [f"e{i}" for i in range(20) if i != 7]
+    assert res.bad == 1 and not res.salvaged
+
+
+def test_nan_and_invalid_utf8_are_read_leniently():
+    data = kineto({"traceEvents": [ev("a"), ev("b")]}).replace(b'"a"', b'"a\xff"')
+    data = data.replace(b'"dur":5.0', b'"dur":NaN', 1)
+    got, res = stream(data)
+    assert len(got) == 2 and res.invalid_utf8 and res.lenient
+
+
+@pytest.mark.parametrize("doc,msg", [
+    (b"", "empty file"), (b"   \n ", "empty file"), (b"hello", "not JSON"), (b'"a string"', "not a trace"),
+    (b'{"a": 1}', "not a trace"), (b"{'single': 1}", "not valid JSON"), (b"[" * 100_000, "nested deeper"),
+    (b'{"traceEvents": [' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"]}", "nested deeper"),
+])
+def test_stream_errors(doc, msg):
+    with pytest.raises(DiagnoseError, match=msg):
+        stream(doc, 1 << 20)
+
+
+def test_max_depth_honours_strings_and_escapes():
+    assert jsonsafe.max_depth(b'[[["]]]]]\\"[[[["]]]') == 3
+    assert jsonsafe.max_depth(b'{"a\\\\": [1, {"b": "\\\\"}]}') == 3
+    assert jsonsafe.max_depth(b"") == 0
+
+
+def test_clean_str_replaces_lone_surrogates_only():
+    assert jsonsafe.clean_str("ok \U0001F600") == "ok \U0001F600"
+    assert jsonsafe.clean_str("bad \udcff x") == "bad \ufffd x"
+
+
+# -- columns -------------------------------------------------------------------------------
+
+def test_table_interns_and_validates():
+    t = EventTable()
+    t.add([ev("a", 1.0, 2.0), ev("a", 3, 4), ev("b", "5", 1.0), ev("c", 1.0, -1.0), ev("d", True, 1.0),
+           ev("e", 10**400 if False else 1e308 * 10, 1.0), 42, ev("k", 1.0, 1.0, cat="kernel", tid=[1]),
+           ev("ncclKernel_x", 1.0, 1.0, cat="kernel", args={"Collective name": "allreduce", "correlation": 2**70})])
+    frame, args = t.frame()
+    assert frame["name"].astype(str).tolist() == ["a", "a", "k", "ncclKernel_x"]
+    assert frame["kind"].astype(str).tolist() == ["cpu_op", "cpu_op", "kernel", "comm_kernel"]
+    assert t.dropped == 5
+    assert list(frame["name"].cat.categories) == ["a", "k", "ncclKernel_x"]  # dropped names leave no category
+    assert frame["corr"].tolist() == [-1, -1, -1, -1]  # out of int64 range: no correlation
+    assert args.index.tolist() == [3] and args.loc[3, "Collective name"] == "allreduce"
+    assert frame["tid"].astype(str).tolist()[2] == "<list>"
+
+
+def test_tid_labels_merge_int_and_str():
+    t = EventTable()
+    t.add([ev(tid=1), ev(tid="1"), ev(tid=2)])
+    frame, _ = t.frame()
+    assert frame["tid"].astype(str).tolist() == ["1", "1", "2"] and len(frame["tid"].cat.categories) == 2
+
+
+# -- one file ------------------------------------------------------------------------------
+
+def test_load_trace_matches_a_plain_parse_on_shared_traces():
+    name = "hta_nccl_data_rank0of2_a100"
+    f = SHARED / name / "nccl_data.json.gz"
+    if not f.exists():
+        pytest.skip(f"{f} absent")
+    t = load_trace(f)
+    raw = orjson.loads(gzip.decompress(f.read_bytes()))["traceEvents"]
+    from diagnose.ingest.columns import CATEGORY_KIND
+
+    want = [e for e in raw if e.get("ph") == "X" and e.get("cat") in CATEGORY_KIND]
+    assert len(t.events) == len(want)
+    assert np.array_equal(t.events["ts"].to_numpy(), np.array([e["ts"] for e in want]))
+    assert t.events["name"].astype(str).tolist() == [e["name"] for e in want]
+    assert t.rank == 0 and t.world_size == 2 and not t.salvaged and t.bytes_read > 0
+
+
+def test_salvaged_trace_drops_steps_after_the_cut(tmp_path):
+    doc = steps_trace(5)
+    data = kineto(doc)
+    cut = data.index(b'"ProfilerStep#4"') + 5
+    # the last step marker written before the cut ends after the last complete event
+    t = load_trace(write(tmp_path, "rank0.json", data[:cut]))
+    assert t.salvaged
+    names = t.events["name"].astype(str).tolist()
+    assert "ProfilerStep#0" in names and "ProfilerStep#4" not in names
+    assert any("truncated at byte" in w for w in t.warnings)
+
+
+def test_rank_from_name_when_no_distributed_info(tmp_path):
+    t = load_trace(write(tmp_path, "worker-7.pt.trace.json", orjson.dumps([ev()])))
+    assert (t.rank, t.rank_source) == (7, "file name")
+
+
+def test_only_metadata_is_an_error(tmp_path):
+    p = write(tmp_path, "rank0.json", orjson.dumps({"traceEvents": [{"ph": "M", "name": "process_name"}]}))
+    with pytest.raises(DiagnoseError, match="no usable events"):
+        load_trace(p)
+
+
+# -- one run -------------------------------------------------------------------------------
+
+def test_unexpected_reader_error_costs_one_file_not_the_run(tmp_path, monkeypatch):
+    import diagnose.run as run_mod
+
+    good = write(tmp_path, "rank0.json", steps_trace())
+
+    def boom(path, max_bytes):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(run_mod, "load_trace", boom)
+    out = _load_one((str(good), 1 << 20))
+    assert out.trace is None and "internal error: ValueError: a bug" in out.error and str(good) in out.error
+
+
+def test_parallel_and_serial_loading_agree(tmp_path, monkeypatch):
+    import diagnose.run as run_mod
+
+    for r in range(3):
+        write(tmp_path, f"rank{r}.json", steps_trace(4, rank=r, world=3))
+    files = sorted(tmp_path.iterdir())
+    serial = load_files(files, 1 << 30, jobs=1)
+    monkeypatch.setattr(run_mod, "PARALLEL_MIN_BYTES", 0)
+    parallel = load_files(files, 1 << 30, jobs=2)
+    for a, b in zip(serial, parallel):
+        assert a.trace.events.equals(b.trace.events) and a.timeline.steps.equals(b.timeline.steps)
+
+
+def test_runs_that_do_not_overlap_in_time_are_refused(tmp_path):
+    write(tmp_path, "rank0.json", steps_trace(rank=0, world=2))
+    write(tmp_path, "rank1.json", steps_trace(rank=1, world=2, t0=1000.0 + 3600e6))
+    with pytest.raises(DiagnoseError, match="files from different runs"):
+        load_run([tmp_path])
+
+
+def test_a_rank_without_steps_is_skipped_beside_others(tmp_path):
+    write(tmp_path, "rank0.json", steps_trace(rank=0, world=2))
+    no_steps = steps_trace(rank=1, world=2)
+    no_steps["traceEvents"] = [e for e in no_steps["traceEvents"] if not e["name"].startswith("ProfilerStep")]
+    write(tmp_path, "rank1.json", no_steps)
+    run = load_run([tmp_path])
+    assert run.ranks == [0] and "no complete training step" in run.skipped[0]
+
+
+def test_discover_refuses_special_files(tmp_path):
+    import os
+
+    fifo = tmp_path / "rank0.json"
+    os.mkfifo(fifo)
+    with pytest.raises(DiagnoseError, match="not a regular file or a directory"):
+        load_run([fifo])
+    with pytest.raises(DiagnoseError, match="no trace files"):
+        load_run([tmp_path])  # the FIFO is not a trace file
