@@ -53,7 +53,7 @@ PRESETS: dict[str, dict] = {
     "none": {},
     "dataloader": {"slow_getitem_ms": 0.5, "num_workers": 0},
     "straggler": {"straggler_rank": 1, "straggler_ms": 50.0},
-    "tiny-batch": {"batch_size": 1, "dim": 32, "hidden": 32, "layers": 16, "repeat": 1},
+    "tiny-batch": {"batch_size": 1, "dim": 32, "hidden": 32, "layers": 40, "repeat": 1},
     "tiny-buckets": {"bucket_cap_mb": 0.01, "layers": 6, "repeat": 1},
 }
 DEFAULTS = {"steps": 12, "batch_size": 256, "dim": 256, "hidden": 512, "layers": 3, "repeat": 8, "num_workers": 0,
