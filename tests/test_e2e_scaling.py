@@ -51,3 +51,13 @@ def test_equally_slow_loader_is_baseline_not_lost_speedup(tmp_path):
     assert s["waterfall"][0]["id"] != "dataloader_starvation"
     assert abs(bars["dataloader_starvation"]) < 0.1
     assert "unexplained" in bars
+
+
+def test_what_if_predicts_the_step_time_after_the_fix(tmp_path):
+    """The benchmark's straggler row as a test: predict from the faulty run, measure the fixed one."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_whatif import predict_and_measure
+
+    predicted, measured = predict_and_measure(tmp_path, "straggler", ["--pathology", "straggler"],
+                                              ["--pathology", "none"], 0)
+    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
