@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from reports.html import CSS, ERROR_HOOK, ChartSet, _dict, _list, _plotly_js, esc, fmt_ms, fmt_share
+from reports.common import ChartSet, _dict, _list, esc, fmt_ms, fmt_share, page
 from reports.charts import num
 
 LABELS = {
@@ -103,11 +103,4 @@ def render_scaling(data: dict) -> str:
 {''.join(f'<p class="muted">warning: {esc(w)}</p>' for w in _list(d.get('warnings')))}
 <footer>Self-contained report: no network access needed. Numbers come from scaling.json.</footer>
 </main>"""
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>torch-diagnose scaling report</title><style>{CSS}</style></head>
-<body>{ERROR_HOOK}{body}
-<script>{_plotly_js()}</script>
-{cs.script()}
-</body></html>
-"""
+    return page("torch-diagnose scaling report", body, cs)
