@@ -312,9 +312,16 @@ def export_gz(prof, final: Path) -> None:
     os.close(fd)
     try:
         prof.export_chrome_trace(raw)
+        # the exporter can fail without raising (a full disk): never publish a cut trace
+        with open(raw, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - 64))
+            tail = f.read().rstrip()
+        if not tail.endswith(b"}"):
+            raise OSError(f"the profiler wrote an incomplete trace ({size} bytes): disk full?")
         with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb", compresslevel=3) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(raw + ".gz", final)
     finally:
-        for p in (raw, raw + ".gz"):
+        for p in (raw, raw + ".gz", raw + ".tmp"):  # .tmp: the exporter's own, left when it fails
             Path(p).unlink(missing_ok=True)
