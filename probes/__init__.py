@@ -142,11 +142,21 @@ def install_from_env() -> Probe | None:
         probe.close()
 
     atexit.register(finish)
-    _flush_on_sigterm(finish)
+    _flush_on_sigterm(finish, probe)
     return probe
 
 
-def _flush_on_sigterm(finish) -> None:
+def _remove_temp_files(probe: Probe) -> None:
+    """A write interrupted by the signal never reaches its rename: drop its temp files."""
+    for d in (probe.out_dir, *probe.out_dir.glob("capture-*")):
+        for p in d.glob(f".rank{probe.rank}.*"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
+def _flush_on_sigterm(finish, probe: Probe) -> None:
     """torchrun stops surviving ranks with SIGTERM when one fails: flush what we have first.
 
     Only when the job left SIGTERM at its default (we never replace a handler of the user's).
@@ -162,6 +172,7 @@ def _flush_on_sigterm(finish) -> None:
     def on_term(signum, frame):
         try:
             finish()
+            _remove_temp_files(probe)
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)

@@ -30,7 +30,9 @@ def _candidates(directory: Path) -> list[Path]:
     return sorted(
         p
         for p in _listdir(directory)
-        if p.name.endswith(TRACE_SUFFIXES) and not OWN_OUTPUTS.search(p.name) and _is_file(p)
+        # hidden names are temp files of a write in progress (ours and the profiler's): never traces
+        if p.name.endswith(TRACE_SUFFIXES) and not p.name.startswith(".") and not OWN_OUTPUTS.search(p.name)
+        and _is_file(p)
     )
 
 
