@@ -101,7 +101,8 @@ def terminal_summary(d: Diagnosis) -> str:
     ws = r.world_size or found
     mean = sum(r.mean_step_ms.values()) / max(len(r.mean_step_ms), 1)
     lines.append("")
-    lines.append(f"run: {found} of {ws} ranks, backend {r.backend or '?'}, device {r.device}"
+    backend = r.backend or ("none (single process)" if ws == 1 else "?")
+    lines.append(f"run: {found} of {ws} ranks, backend {backend}, device {r.device}"
                  f"{' (' + _printable(r.device_name) + ')' if r.device_name else ''}, "
                  f"{r.steps_analysed} step(s) from {r.step_source}, mean step {mean:.1f} ms")
     if d.findings:
