@@ -59,7 +59,7 @@ def _member(points: np.ndarray, a: Intervals) -> np.ndarray:
     return out
 
 
-def _combine(a: Intervals, b: Intervals, keep_a: bool, keep_b: bool, op: str) -> Intervals:
+def _combine(a: Intervals, b: Intervals, op: str) -> Intervals:
     pts = np.unique(np.concatenate([a.starts, a.ends, b.starts, b.ends]))
     if pts.size < 2:
         return Intervals.empty()
@@ -76,18 +76,18 @@ def _combine(a: Intervals, b: Intervals, keep_a: bool, keep_b: bool, op: str) ->
 
 
 def intersect(a: Intervals, b: Intervals) -> Intervals:
-    return _combine(a, b, True, True, "and")
+    return _combine(a, b, "and")
 
 
 def merge(a: Intervals, b: Intervals) -> Intervals:
-    return _combine(a, b, True, True, "or")
+    return _combine(a, b, "or")
 
 
 def subtract(a: Intervals, b: Intervals) -> Intervals:
     """a minus b."""
     if len(a) == 0 or len(b) == 0:
         return a
-    return _combine(a, b, True, False, "minus")
+    return _combine(a, b, "minus")
 
 
 def covered(a: Intervals, lo, hi) -> np.ndarray:

@@ -159,10 +159,9 @@ def test_self_contained_and_plotly_once(name):
     assert len(text.encode()) - len(_plotly_js().encode()) < 300_000
 
 
-def test_hostile_strings_are_inert():
-    d = hostile_diagnosis()
-    text = render(d)
-    for payload in HOSTILE.values():
+def assert_inert(text: str, payloads) -> Page:
+    """No payload survives raw, nothing executable was injected; returns the parsed page."""
+    for payload in payloads:
         assert payload not in text
     page = Page(text)
     tags = [t for t, _, _ in page.elements]
@@ -170,6 +169,11 @@ def test_hostile_strings_are_inert():
     assert tags.count("script") == 3  # error hook, plotly.js, charts: nothing injected
     assert not [(t, k) for t, a, _ in page.elements for k in a if k.startswith("on")]
     assert all("</script" not in s.lower() for s in page.scripts)
+    return page
+
+
+def test_hostile_strings_are_inert():
+    page = assert_inert(render(hostile_diagnosis()), HOSTILE.values())
     # ... and still shown to the reader, as text
     assert HOSTILE["script"] in page.section_text["verdict"]
     assert HOSTILE["script"] in page.section_text["finding-1"]
