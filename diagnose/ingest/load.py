@@ -89,15 +89,17 @@ class RankTrace:
         return b if isinstance(b, str) else None
 
 
-def load_trace(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> RankTrace:
-    """Parse one trace file. Raises DiagnoseError naming the file on bad input."""
+def load_trace(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES, typed: bool = True) -> RankTrace:
+    """Parse one trace file. Raises DiagnoseError naming the file on bad input.
+
+    typed=False reads every chunk on the generic path (tests check both paths agree)."""
     path = Path(path)
     state = ReadState(path=path, max_bytes=max_bytes)
     table = EventTable()
     gc_was = gc.isenabled()
     gc.disable()  # parsing allocates millions of short-lived containers: collector passes are pure cost
     try:
-        res = parse_stream(iter_blocks(state), table.add, path)
+        res = parse_stream(iter_blocks(state), table.add, path, table.add_raw if typed else None)
     finally:
         if gc_was:
             gc.enable()

@@ -41,6 +41,7 @@ NONWS_TEXT = re.compile(r"[^ \t\r\n]")
 BOM = b"\xef\xbb\xbf"
 
 Sink = Callable[[list], None]
+RawSink = Callable[[bytes], "int | None"]
 
 
 @dataclass(slots=True)
@@ -87,8 +88,11 @@ class _Buffer:
         return bytes(self.buf)
 
 
-def parse_stream(blocks: Iterator[bytes], sink: Sink, path: Path) -> StreamResult:
-    """Parse a trace's bytes, handing lists of parsed events to sink. Raises DiagnoseError."""
+def parse_stream(blocks: Iterator[bytes], sink: Sink, path: Path, raw_sink: RawSink | None = None) -> StreamResult:
+    """Parse a trace's bytes, handing lists of parsed events to sink. Raises DiagnoseError.
+
+    raw_sink, if given, is offered each whole chunk's bytes first; it returns how many events
+    it read, or None to have the chunk parsed here and handed to sink."""
     b = _Buffer(blocks)
     try:
         layout, head, start = _find_start(b, path)
@@ -96,9 +100,9 @@ def parse_stream(blocks: Iterator[bytes], sink: Sink, path: Path) -> StreamResul
             return _whole_document(b, sink, path)
         res = StreamResult()
         b.consume(start)
-        _stream_events(b, sink, res, path)
+        _stream_events(b, sink, res, path, raw_sink)
         b.read_all()  # what follows the events: the last chunk and the metadata after them
-        _finish(b, head, sink, res)
+        _finish(b, head, sink, res, raw_sink)
         return res
     except TooDeep as exc:
         raise DiagnoseError(str(exc), path) from None
@@ -154,7 +158,7 @@ def _fast(chunk: bytes) -> list | None:
     return v if isinstance(v, list) else None
 
 
-def _stream_events(b: _Buffer, sink: Sink, res: StreamResult, path: Path) -> None:
+def _stream_events(b: _Buffer, sink: Sink, res: StreamResult, path: Path, raw_sink: RawSink | None) -> None:
     """Parse whole chunks until the end of the array (or of the input, less its last chunk,
     which _finish reads exactly)."""
     want = CHUNK
@@ -175,6 +179,12 @@ def _stream_events(b: _Buffer, sink: Sink, res: StreamResult, path: Path) -> Non
             want = len(b.buf) * 2  # one event larger than the buffer: read on
             continue
         chunk = bytes(b.buf[: m.start() + 1])
+        n = raw_sink(chunk) if raw_sink is not None else None
+        if n is not None:
+            res.values += n
+            b.consume(m.end() - 1)
+            want = CHUNK
+            continue
         evs = _fast(chunk)
         if evs is not None:
             _emit(sink, res, evs)
@@ -260,16 +270,21 @@ def _scan(text: str) -> tuple[list, int, int | None, int | None]:
     return events, bad, None, None
 
 
-def _finish(b: _Buffer, head: bytes | None, sink: Sink, res: StreamResult) -> None:
+def _finish(b: _Buffer, head: bytes | None, sink: Sink, res: StreamResult, raw_sink: RawSink | None) -> None:
     """The last chunk: its events, the end of the array and the metadata after it."""
     first = NONWS.search(b.buf)
     m = _last_sep(b.buf) if first is not None and b.buf[first.start()] != ord("]") else None
     if m is not None:  # all but the last event the fast way
         chunk = bytes(b.buf[: m.start() + 1])
-        evs = _fast(chunk)
-        if evs is not None:
-            _emit(sink, res, evs)
+        n = raw_sink(chunk) if raw_sink is not None else None
+        if n is not None:
+            res.values += n
             b.consume(m.end() - 1)
+        else:
+            evs = _fast(chunk)
+            if evs is not None:
+                _emit(sink, res, evs)
+                b.consume(m.end() - 1)
     text, bad_utf8 = decode_text(bytes(b.buf))
     evs, bad, stop, closed = _scan(text)
     res.invalid_utf8 |= bad_utf8
