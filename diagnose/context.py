@@ -9,7 +9,7 @@ from diagnose.breakdown import compute_breakdown
 from diagnose.collectives import Matched, match_collectives
 from diagnose.model import EventRef, StepBreakdown
 from diagnose.probedata import ProbeData
-from diagnose.run import Run
+from diagnose.run import ReduceFailed, Run
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +21,22 @@ class Context:
     """The breakdown as a frame, one row per (rank, step)."""
     probes: dict[int, ProbeData]
     """Every-step timings and metadata from the probes' sidecars, when the run had them."""
+
+    def facts(self, name: str) -> dict:
+        """Each rank's per-rank summary from check `name`'s reduce phase, by rank.
+
+        Raises when the run was loaded without the reduction, or the reduction failed on a rank
+        (the pipeline then reports that check as failed and goes on with the others)."""
+        out = {}
+        for r in self.run.ranks:
+            f = self.run.facts.get(r, {}).get(name)
+            if f is None:
+                raise RuntimeError(f"no per-rank summary '{name}' for rank {r} (load the run with "
+                                   "reduce=analyzers.reduce_rank)")
+            if isinstance(f, ReduceFailed):
+                raise RuntimeError(f"rank {r}: {f.error}")
+            out[r] = f
+        return out
 
     @property
     def mean_step_ms(self) -> float:

@@ -7,7 +7,7 @@ import numpy as np
 
 from diagnose.intervals import clip
 
-from diagnose.analyzers import CHECKLIST
+from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.context import Context, build_context
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
@@ -25,7 +25,7 @@ def _device(run: Run) -> tuple[str, str | None]:
     name = ", ".join(sorted(names)) or None
     if not run.is_gpu:
         return "cpu", name
-    hip = any(t.events["name"].cat.categories.str.startswith("hip").any() for t in run.traces.values())
+    hip = any(t.hip for t in run.traces.values())
     return ("rocm" if hip else "cuda"), name
 
 
@@ -66,11 +66,11 @@ def _metadata(ctx: Context) -> dict:
 def run_checklist(ctx: Context, th: Thresholds) -> tuple[list[Check], list[str]]:
     checks: list[Check] = []
     warnings: list[str] = []
-    for name, analyze in CHECKLIST:
+    for entry in CHECKLIST:
         try:
-            checks += analyze(ctx, th)
+            checks += entry.analyze(ctx, th)
         except Exception as exc:  # an analyzer bug must not cost the user the other verdicts
-            warnings.append(f"check '{name}' failed on this input ({type(exc).__name__}: {exc}); skipped")
+            warnings.append(f"check '{entry.name}' failed on this input ({type(exc).__name__}: {exc}); skipped")
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     checks.sort(key=lambda c: order.get(c.id, len(order)))
     return checks, warnings
@@ -144,7 +144,7 @@ def _lateness_extra(ctx: Context) -> dict:
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jobs: int | None = None) -> Diagnosis:
-    run = load_run(paths, max_bytes=max_bytes, jobs=jobs)
+    run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank)
     probes = load_probe_data(paths)
     for p in probes.values():
         run.warnings.extend(p.warnings)

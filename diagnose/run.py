@@ -6,12 +6,18 @@ file's problem is raised (error, exit 2). Files that cannot belong to one run (t
 files for a rank, different world sizes, profiles that do not overlap in time) are
 refused: which run the user meant is not ours to guess.
 
-Each rank is parsed and reduced to its timeline in one step (`_load_one`), in worker
-processes when the input is large, so the parent never holds a rank's raw JSON.
+Each rank is parsed and reduced in one step (`_load_one`), in worker processes when the
+input is large: its timeline, then each check's per-rank summary (the `reduce` the
+pipeline passes in), then its events table is cut down to the few events cited as
+evidence. The parent holds timelines and summaries, never a rank's raw JSON or whole
+event table, so its memory does not grow with the trace sizes, and the checks' per-rank
+work runs in parallel. The same reduction could run on each training host and ship only
+the summaries.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -34,9 +40,21 @@ SAME_HOST_SLACK_US = 1e6
 CROSS_HOST_SLACK_US = 600e6
 
 
+@dataclass(frozen=True, slots=True)
+class ReduceFailed:
+    """A check's per-rank reduction raised on this rank: the check reports it, the others go on."""
+
+    error: str
+
+
+Reduce = Callable[[RankTrace, RankTimeline], "tuple[dict[str, object], set[int]]"]
+"""(trace, timeline) -> (each check's per-rank summary by check name, event rows cited as evidence)."""
+
+
 @dataclass(slots=True)
 class Run:
     traces: dict[int, RankTrace]
+    """After a reduction, `events` holds only the rows cited as evidence (and collectives)."""
     timelines: dict[int, RankTimeline]
     world_size: int | None
     backend: str | None
@@ -44,6 +62,8 @@ class Run:
     """Added to each rank's timestamps to put it on rank-reference time."""
     warnings: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    facts: dict[int, dict[str, object]] = field(default_factory=dict)
+    """Per rank, each check's per-rank summary (or ReduceFailed), when loaded with a reduction."""
 
     @property
     def ranks(self) -> list[int]:
@@ -68,15 +88,21 @@ class Loaded:
     trace: RankTrace | None = None
     timeline: RankTimeline | None = None
     error: str | None = None
+    facts: dict[str, object] = field(default_factory=dict)
 
 
-def _load_one(args: tuple[str, int]) -> Loaded:
-    path, max_bytes = args
+def _load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
+    path, max_bytes, reduce = args
     try:
         trace = load_trace(path, max_bytes)
         # the rank is provisional until all files are seen; 0 is what a lone unranked file becomes
         timeline = build_timeline(trace, trace.rank if trace.rank is not None else 0)
-        return Loaded(Path(path), trace, timeline)
+        facts: dict[str, object] = {}
+        if reduce is not None:
+            # a rank without a complete step is skipped later: nothing to summarise, nothing to keep
+            facts, rows = reduce(trace, timeline) if len(timeline.steps) else ({}, set())
+            _keep_only(trace, rows | set(timeline.collectives["row"].tolist()))
+        return Loaded(Path(path), trace, timeline, facts=facts)
     except DiagnoseError as exc:
         return Loaded(Path(path), error=str(exc))
     except MemoryError:
@@ -88,6 +114,14 @@ def _load_one(args: tuple[str, int]) -> Loaded:
                                                  f"{type(exc).__name__}: {detail}; please report it)"))
 
 
+def _keep_only(trace: RankTrace, rows: set[int]) -> None:
+    """Cut the events table down to the rows cited as evidence (labels kept: rows are cited by label)."""
+    keep = trace.events.index.intersection(sorted(rows))
+    events = trace.events.loc[keep]
+    trace.events = events.assign(name=events["name"].cat.remove_unused_categories())
+    trace.comm_args = trace.comm_args.loc[trace.comm_args.index.intersection(keep)]
+
+
 def _size(f: Path) -> int:
     """Bytes to parse, roughly: gzip'd traces expand about 8x."""
     try:
@@ -97,9 +131,9 @@ def _size(f: Path) -> int:
     return size * GZIP_RATIO if f.name.endswith(".gz") else size
 
 
-def load_files(files: list[Path], max_bytes: int, jobs: int | None) -> list[Loaded]:
+def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Reduce | None = None) -> list[Loaded]:
     total = sum(_size(f) for f in files)
-    work = [(str(f), max_bytes) for f in files]
+    work = [(str(f), max_bytes, reduce) for f in files]
     workers = min(jobs or os.cpu_count() or 1, len(files))
     if workers > 1 and total >= PARALLEL_MIN_BYTES:
         try:
@@ -183,12 +217,11 @@ def _align_clocks(run_tl: dict[int, RankTimeline], traces: dict[int, RankTrace],
 
 def _span_us(t: RankTrace) -> tuple[float, float] | None:
     """[first event start, last event end] on an absolute clock where the file says how."""
-    ev = t.events
-    if ev.empty:
+    if t.span_us is None:
         return None
     base = t.meta.get("baseTimeNanoseconds")
     off = base / 1000 if type(base) is int and base > 0 else 0.0
-    return float(ev["ts"].min()) + off, float((ev["ts"] + ev["dur"]).max()) + off
+    return t.span_us[0] + off, t.span_us[1] + off
 
 
 def _check_overlap(by_rank: dict[int, RankTrace]) -> None:
@@ -208,9 +241,11 @@ def _check_overlap(by_rank: dict[int, RankTrace]) -> None:
                             by_rank[early].path.parent)
 
 
-def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, jobs: int | None = None) -> Run:
+def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, jobs: int | None = None,
+             reduce: Reduce | None = None) -> Run:
+    """reduce: each check's per-rank phase (analyzers.reduce_rank); without it every event is kept."""
     files = discover_traces(paths)
-    loaded = load_files(files, max_bytes, jobs)
+    loaded = load_files(files, max_bytes, jobs, reduce)
     errors = [x.error for x in loaded if x.error]
     ok = [x for x in loaded if x.trace is not None and x.timeline is not None]
     if not ok:
@@ -221,6 +256,7 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
         warnings += x.trace.warnings
     by_rank = _assign_ranks([x.trace for x in ok], warnings)
     timeline_of = {id(x.trace): x.timeline for x in ok}
+    facts_of = {id(x.trace): x.facts for x in ok}
     world = _check_one_run(by_rank)
     _check_overlap(by_rank)
     timelines: dict[int, RankTimeline] = {}
@@ -244,7 +280,7 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     backends = {t.backend for t in by_rank.values() if t.backend}
     run = Run(traces={r: by_rank[r] for r in timelines}, timelines=timelines, world_size=world,
               backend=next(iter(backends)) if len(backends) == 1 else None, clock_offsets_us={},
-              warnings=warnings, skipped=skipped)
+              warnings=warnings, skipped=skipped, facts={r: facts_of[id(by_rank[r])] for r in timelines})
     run.clock_offsets_us = _align_clocks(timelines, run.traces, warnings)
     if run.missing_ranks:
         found = len(run.ranks)

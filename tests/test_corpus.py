@@ -141,11 +141,12 @@ def test_truncated_rank_is_salvaged_and_still_analysed(corpus, case, tmp_path):
 
 
 def test_findings_on_a_salvaged_rank_have_lower_confidence(corpus):
+    from diagnose.analyzers import reduce_rank
     from diagnose.pipeline import diagnose_run
     from diagnose.run import load_run
 
     levels = ["low", "medium", "high"]
-    run = load_run([corpus["gzip_named_json"]])
+    run = load_run([corpus["gzip_named_json"]], reduce=reduce_rank)
     before = {f.id: f.confidence for f in diagnose_run(run).findings}
     run.traces[1].salvaged = True  # the same data, as if rank 1's file had been cut
     after = {f.id: f.confidence for f in diagnose_run(run).findings}

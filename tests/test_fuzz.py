@@ -16,7 +16,8 @@ import pytest
 
 from diagnose.errors import DiagnoseError
 from diagnose.ingest.load import load_trace
-from diagnose.run import INTERNAL_ERROR, load_run
+from diagnose.analyzers import reduce_rank
+from diagnose.run import INTERNAL_ERROR, ReduceFailed, load_run
 from tests.conftest import SHARED
 
 BUDGET_S = float(os.environ.get("DIAGNOSE_FUZZ_SECONDS", "20"))
@@ -113,8 +114,10 @@ def test_fuzz_loader(tmp_path):
                 run_dir.mkdir()
                 (run_dir / "rank0.pt.trace.json").write_bytes(seeds[0])
                 (run_dir / "rank1.pt.trace.json").write_bytes(blob if name.endswith(".json") else data)
-                run = load_run([run_dir], jobs=1)
+                run = load_run([run_dir], jobs=1, reduce=reduce_rank)
                 assert not any(INTERNAL_ERROR in s for s in run.skipped + run.warnings), run.skipped
+                failed = [f for fs in run.facts.values() for f in fs.values() if isinstance(f, ReduceFailed)]
+                assert not failed, failed
         except DiagnoseError as exc:
             assert INTERNAL_ERROR not in str(exc), str(exc)
             assert "\n" not in str(exc)

@@ -15,6 +15,7 @@ from diagnose.ingest.columns import EventTable
 from diagnose.ingest.load import load_trace
 from diagnose.ingest.source import ReadState, iter_blocks
 from diagnose.ingest.stream import CHUNK, parse_stream
+from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.run import _load_one, load_files, load_run
 from tests.conftest import SHARED
 
@@ -242,7 +243,7 @@ def test_unexpected_reader_error_costs_one_file_not_the_run(tmp_path, monkeypatc
         raise ValueError("a bug")
 
     monkeypatch.setattr(run_mod, "load_trace", boom)
-    out = _load_one((str(good), 1 << 20))
+    out = _load_one((str(good), 1 << 20, None))
     assert out.trace is None and "internal error: ValueError: a bug" in out.error and str(good) in out.error
 
 
@@ -252,11 +253,12 @@ def test_parallel_and_serial_loading_agree(tmp_path, monkeypatch):
     for r in range(3):
         write(tmp_path, f"rank{r}.json", steps_trace(4, rank=r, world=3))
     files = sorted(tmp_path.iterdir())
-    serial = load_files(files, 1 << 30, jobs=1)
+    serial = load_files(files, 1 << 30, jobs=1, reduce=reduce_rank)
     monkeypatch.setattr(run_mod, "PARALLEL_MIN_BYTES", 0)
-    parallel = load_files(files, 1 << 30, jobs=2)
+    parallel = load_files(files, 1 << 30, jobs=2, reduce=reduce_rank)
     for a, b in zip(serial, parallel):
         assert a.trace.events.equals(b.trace.events) and a.timeline.steps.equals(b.timeline.steps)
+        assert a.facts == b.facts and a.facts
 
 
 def test_runs_that_do_not_overlap_in_time_are_refused(tmp_path):
@@ -318,3 +320,18 @@ def test_typed_fast_path_falls_back_per_chunk_on_events_it_cannot_type(tmp_path)
     fast, generic = load_trace(path), load_trace(path, typed=False)
     _same_trace(fast, generic)
     assert fast.dropped > 0 and len(fast.events) > 60_000
+
+
+def test_reduction_leaves_the_parent_only_summaries_and_evidence():
+    # What bounds the parent's memory whatever the rank count: after each rank's reduction, its
+    # events table holds only its collectives and the few events the checks cite as evidence.
+    full = load_run([SHARED / "param_dlrm_8rank_v100"])
+    run = load_run([SHARED / "param_dlrm_8rank_v100"], reduce=reduce_rank)
+    assert run.ranks == full.ranks == list(range(8))
+    for r in run.ranks:
+        kept, tl = run.traces[r].events, run.timelines[r]
+        assert len(kept) <= len(tl.collectives) + 20 < len(full.traces[r].events) / 10
+        assert set(tl.collectives["row"]) <= set(kept.index)
+        # kept rows are the same events as in the full table (evidence cites rows by label)
+        pd.testing.assert_frame_equal(kept[["ts", "dur"]], full.traces[r].events.loc[kept.index, ["ts", "dur"]])
+        assert set(run.facts[r]) == {e.name for e in CHECKLIST if e.reduce}

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from diagnose.analyzers import CHECKLIST, host_sync, memory, pipeline_bubbles
+from diagnose.analyzers import CHECKLIST, host_sync, memory, pipeline_bubbles, reduce_rank
 from diagnose.context import build_context
 from diagnose.model import CHECK_ORDER
 from diagnose.run import load_run
@@ -22,7 +22,7 @@ NEW = ("device_memory", "pipeline_bubble", "checkpoint_io", "host_sync")
 
 def test_new_checks_follow_the_classic_four():
     assert CHECK_ORDER[-4:] == NEW
-    names = [n for n, _ in CHECKLIST]
+    names = [e.name for e in CHECKLIST]
     assert names[:4] == ["dataloader", "communication", "straggler", "launch_overhead"]
     assert names[4:] == list(NEW)
 
@@ -130,7 +130,7 @@ def _raw_sync_idle_ms(path) -> float:
 
 def test_host_syncs_on_dlrm():
     path = shared("param_dlrm_8rank_v100")
-    ctx = build_context(load_run([path]))
+    ctx = build_context(load_run([path], reduce=reduce_rank))
     c = _check(ctx, host_sync.analyze)
     f = c.finding
     assert c.status in ("passed", "flagged") and f is not None
@@ -147,26 +147,26 @@ def test_host_syncs_on_dlrm():
 
 
 def test_host_syncs_on_other_gpu_traces():
-    ctx = build_context(load_run([shared("kineto_resnet50_dataloader_v100/nw0")]))
+    ctx = build_context(load_run([shared("kineto_resnet50_dataloader_v100/nw0")], reduce=reduce_rank))
     f = _check(ctx, host_sync.analyze).finding
     assert f.metrics["sync_calls_per_step"] == 2  # the blocking input copies
     assert f.metrics["calls_by_cause_all_ranks"].startswith(".cpu() / .to() / copy_")
-    ctx = build_context(load_run([shared("hta_nccl_data_rank0of2_a100")]))
+    ctx = build_context(load_run([shared("hta_nccl_data_rank0of2_a100")], reduce=reduce_rank))
     f = _check(ctx, host_sync.analyze).finding
     assert "cudaEventSynchronize" in f.metrics["calls_by_name_all_ranks"]
-    ctx = build_context(load_run([shared("edge_hta_ddp_world1_v100")]))
+    ctx = build_context(load_run([shared("edge_hta_ddp_world1_v100")], reduce=reduce_rank))
     assert _check(ctx, host_sync.analyze).status == "passed"
 
 
 def test_host_syncs_not_measurable_on_cpu_trace():
-    ctx = build_context(load_run([shared("edge_hta_cpu_only_gloo_rank34of300")]))
+    ctx = build_context(load_run([shared("edge_hta_cpu_only_gloo_rank34of300")], reduce=reduce_rank))
     c = _check(ctx, host_sync.analyze)
     assert c.status == "not_measurable" and "not measurable on CPU" in c.reason
 
 
 def test_new_checks_on_bare_gpu_traces_say_what_they_cannot_see():
-    ctx = build_context(load_run([shared("param_dlrm_8rank_v100")]))
-    checks = {c.id: c for _, a in CHECKLIST[4:] for c in a(ctx, DEFAULT)}
+    ctx = build_context(load_run([shared("param_dlrm_8rank_v100")], reduce=reduce_rank))
+    checks = {c.id: c for e in CHECKLIST[4:] for c in e.analyze(ctx, DEFAULT)}
     assert checks["device_memory"].status == "not_measurable"  # no probes: no parameter count
     assert checks["checkpoint_io"].status == "not_measurable"
     assert checks["pipeline_bubble"].status == "passed"  # collectives only, no send/recv
@@ -179,7 +179,7 @@ def test_small_micro_batch_blamed_on_tight_memory():
     from diagnose.analyzers import launch
     from diagnose.probedata import ProbeData
 
-    run = load_run([shared("hta_nccl_data_rank0of2_a100")])
+    run = load_run([shared("hta_nccl_data_rank0of2_a100")], reduce=reduce_rank)
     p, total = 50_000_000, 40 * 10**9
     meta = {**_meta("AdamW", p, 4, 2), "device_memory": {
         "peak_allocated_bytes": int(0.93 * total), "peak_reserved_bytes": int(0.96 * total), "total_bytes": total}}

@@ -1,25 +1,62 @@
-"""The checklist: analyzers in the field's order. Each module has one pure entry point,
-`analyze(ctx, thresholds) -> list[Check]`; adding a check means adding it here."""
+"""The checklist: analyzers in the field's order.
+
+Each module has one pure entry point, `analyze(ctx, thresholds) -> list[Check]`, and, when
+it reads events beyond the timeline, a per-rank phase `reduce(trace, timeline) -> facts`
+that runs where the rank is loaded (a worker process) and returns a small summary whose
+`rows` are the events it cites as evidence; `analyze` then reads only the summaries
+(`ctx.facts(name)`). Adding a check means adding it here.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from diagnose.analyzers import (checkpoint, communication, dataloader, host_sync, launch, memory,
                                 pipeline_bubbles, straggler)
 from diagnose.context import Context
+from diagnose.errors import one_line
+from diagnose.ingest.load import RankTrace
 from diagnose.model import Check
+from diagnose.run import ReduceFailed
 from diagnose.thresholds import Thresholds
+from diagnose.timeline import RankTimeline
 
 Analyzer = Callable[[Context, Thresholds], list[Check]]
+Reducer = Callable[[RankTrace, RankTimeline], object]
 
-CHECKLIST: tuple[tuple[str, Analyzer], ...] = (
-    ("dataloader", dataloader.analyze),
-    ("communication", communication.analyze),
-    ("straggler", straggler.analyze),
-    ("launch_overhead", launch.analyze),
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: str
+    analyze: Analyzer
+    reduce: Reducer | None = None
+
+
+CHECKLIST: tuple[Entry, ...] = (
+    Entry("dataloader", dataloader.analyze, dataloader.reduce),
+    Entry("communication", communication.analyze),
+    Entry("straggler", straggler.analyze),
+    Entry("launch_overhead", launch.analyze, launch.reduce),
     # after the four classic checks: capacity, schedule, I/O, synchronisation
-    ("device_memory", memory.analyze),
-    ("pipeline_bubble", pipeline_bubbles.analyze),
-    ("checkpoint_io", checkpoint.analyze),
-    ("host_sync", host_sync.analyze),
+    Entry("device_memory", memory.analyze),
+    Entry("pipeline_bubble", pipeline_bubbles.analyze, pipeline_bubbles.reduce),
+    Entry("checkpoint_io", checkpoint.analyze, checkpoint.reduce),
+    Entry("host_sync", host_sync.analyze, host_sync.reduce),
 )
+
+
+def reduce_rank(trace: RankTrace, tl: RankTimeline) -> tuple[dict[str, object], set[int]]:
+    """Every check's per-rank phase on one rank: (summaries by check name, evidence rows)."""
+    facts: dict[str, object] = {}
+    rows: set[int] = set()
+    for e in CHECKLIST:
+        if e.reduce is None:
+            continue
+        try:
+            f = e.reduce(trace, tl)
+        except Exception as exc:  # one check's bug must not cost the user the file or the other checks
+            facts[e.name] = ReduceFailed(one_line(f"{type(exc).__name__}: {exc}")[:300])
+            continue
+        facts[e.name] = f
+        rows.update(int(r) for r in getattr(f, "rows", ()))
+    return facts, rows

@@ -19,18 +19,18 @@ temporary name renamed into place), one rank writing everything, synchronous wri
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
 from diagnose.analyzers.memory import human
 from diagnose.context import Context
-from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP
+from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, RankTrace
 from diagnose.intervals import covered, union
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import _names_matching
+from diagnose.timeline import RankTimeline, _names_matching
 
 ID = "checkpoint_io"
 TITLE = "Checkpoint writes block the training loop"
@@ -45,26 +45,38 @@ def _records(ctx: Context) -> dict[int, list[dict]]:
             for r, p in sorted(ctx.probes.items())}
 
 
-def _trace_marks(ctx: Context) -> dict[int, list[int]]:
-    """Rows of checkpoint ranges inside profiled steps, per rank."""
-    out: dict[int, list[int]] = {}
-    for r in ctx.run.ranks:
-        ev = ctx.run.traces[r].events
-        hit = ev[ev["kind"].isin([KIND_ANNOTATION, KIND_CPU_OP]).to_numpy() & _names_matching(ev, TRACE_MARK)]
-        if len(hit):
-            out[r] = [int(i) for i in hit.index]
-    return out
+@dataclass(frozen=True, slots=True)
+class TraceMarks:
+    """One rank's checkpoint ranges in the trace (written by the probes when a save falls in a
+    profiled window)."""
+
+    count: int
+    ms_per_step: float
+    """Mean per-step time inside checkpoint ranges."""
+    first_rows: tuple[int, ...]
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return self.first_rows
 
 
-def _from_trace(ctx: Context, th: Thresholds, marks: dict[int, list[int]]) -> Check:
-    per_rank = {}
-    refs = []
-    for r, rows in marks.items():
-        tl = ctx.run.timelines[r]
-        ev = ctx.run.traces[r].events.loc[rows]
-        per_rank[r] = float(np.mean(covered(union(ev["ts"], ev["ts"] + ev["dur"]), tl.steps["start"],
-                                            tl.steps["end"]))) / 1000
-        refs += [ctx.event_ref(r, i, "checkpoint write (blocking)") for i in rows[:3]]
+def reduce(trace: RankTrace, tl: RankTimeline) -> TraceMarks:
+    ev = trace.events
+    hit = ev[ev["kind"].isin([KIND_ANNOTATION, KIND_CPU_OP]).to_numpy() & _names_matching(ev, TRACE_MARK)]
+    if hit.empty:
+        return TraceMarks(count=0, ms_per_step=0.0, first_rows=())
+    ms = float(np.mean(covered(union(hit["ts"], hit["ts"] + hit["dur"]), tl.steps["start"], tl.steps["end"]))) / 1000
+    return TraceMarks(count=len(hit), ms_per_step=ms, first_rows=tuple(int(i) for i in hit.index[:3]))
+
+
+def _trace_marks(ctx: Context) -> dict[int, TraceMarks]:
+    """Ranks whose trace holds checkpoint ranges."""
+    return {r: m for r, m in ctx.facts("checkpoint_io").items() if m.count}
+
+
+def _from_trace(ctx: Context, th: Thresholds, marks: dict[int, TraceMarks]) -> Check:
+    per_rank = {r: m.ms_per_step for r, m in marks.items()}
+    refs = [ctx.event_ref(r, i, "checkpoint write (blocking)") for r, m in marks.items() for i in m.first_rows]
     worst = max(per_rank, key=per_rank.get)
     ms = per_rank[worst]
     share = ms / ctx.mean_step_ms
@@ -164,8 +176,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     for r in sorted(per_rank):
         metrics[f"rank{r}_checkpoint_ms"] = round(per_rank[r], 3)
     refs = []
-    for r, rows in marks.items():
-        refs += [ctx.event_ref(r, i, "checkpoint write (blocking)") for i in rows[:3]]
+    for r, m in marks.items():
+        refs += [ctx.event_ref(r, i, "checkpoint write (blocking)") for i in m.first_rows]
     fix = _fix({"single_writer": single, "bytes_per_checkpoint": metrics.get("bytes_per_checkpoint"),
                 "direct_writes": bool(direct), "every_n_steps": every, "share": share})
     f = Finding(

@@ -11,16 +11,17 @@ any kernel, per step (pageable or synchronous copies that stall the device).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.intervals import covered, subtract, union
-from diagnose.ingest.load import KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY
+from diagnose.ingest.load import KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import DATALOADER, _names_matching
+from diagnose.timeline import DATALOADER, RankTimeline, _names_matching
 
 TITLE = "Dataloader starvation"
 TITLE_STALL = "Input stall outside the DataLoader (blocking host-to-device copies)"
@@ -30,6 +31,34 @@ FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=Tr
 FIX_STALL = ("Copy inputs asynchronously: pin_memory=True in the DataLoader and "
              "tensor.to(device, non_blocking=True); avoid pageable host tensors in the step.")
 _H2D = re.compile(r"HtoD|Host to Device|H2D", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class RankInput:
+    """One rank's summary: its longest DataLoader waits, and host-to-device copies that stall the device."""
+
+    wait_rows: tuple[int, ...]
+    h2d_exposed_ms: float
+    """Mean per-step time a host-to-device copy runs with no kernel alongside (0 without copies)."""
+    h2d_rows: tuple[int, ...]
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return self.wait_rows + self.h2d_rows
+
+
+def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
+    ev = trace.events
+    waits = ev[_names_matching(ev, DATALOADER)].nlargest(3, "dur")
+    exposed_ms, h2d_rows = 0.0, ()
+    cp = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, _H2D)]
+    if len(cp):
+        kernels = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
+        exposed = subtract(union(cp["ts"], cp["ts"] + cp["dur"]),
+                           union(kernels["ts"], kernels["ts"] + kernels["dur"]))
+        exposed_ms = float(np.mean(covered(exposed, tl.steps["start"], tl.steps["end"]))) / 1000
+        h2d_rows = tuple(int(i) for i in cp.nlargest(2, "dur").index)
+    return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows)
 
 
 def _dataloader(ctx: Context, th: Thresholds) -> Check:
@@ -46,11 +75,8 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
     share = ms / ctx.mean_step_ms
     ranks = tuple(int(r) for r in share_by_rank[share_by_rank >= th.input_bound].index) or (worst,)
     # the longest waits, as evidence a person can find in Perfetto
-    refs = []
-    for r in ranks[:4]:
-        ev = run.traces[r].events
-        dl = ev[_names_matching(ev, DATALOADER)].nlargest(3, "dur")
-        refs += [ctx.event_ref(r, int(i), "DataLoader wait") for i in dl.index]
+    facts = ctx.facts("dataloader")
+    refs = [ctx.event_ref(r, i, "DataLoader wait") for r in ranks[:4] for i in facts[r].wait_rows]
     metrics: dict[str, float | int | str] = {
         "dataloader_ms_per_step": round(ms, 3),
         "share_of_step": round(share, 4),
@@ -91,19 +117,9 @@ def _input_stall(ctx: Context, th: Thresholds) -> Check:
     run = ctx.run
     if not run.is_gpu:
         return not_measurable("input_stall", TITLE_STALL, "CPU-only trace: no host-to-device copies to measure")
-    per_rank: dict[int, float] = {}
-    refs = []
-    for r, tl in run.timelines.items():
-        ev = run.traces[r].events
-        cp = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, _H2D)]
-        if cp.empty:
-            per_rank[r] = 0.0
-            continue
-        kernels = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
-        exposed = subtract(union(cp["ts"], cp["ts"] + cp["dur"]),
-                           union(kernels["ts"], kernels["ts"] + kernels["dur"]))
-        per_rank[r] = float(np.mean(covered(exposed, tl.steps["start"], tl.steps["end"]))) / 1000
-        refs += [ctx.event_ref(r, int(i), "host-to-device copy") for i in cp.nlargest(2, "dur").index]
+    facts = ctx.facts("dataloader")
+    per_rank = {r: f.h2d_exposed_ms for r, f in facts.items()}
+    refs = [ctx.event_ref(r, i, "host-to-device copy") for r, f in facts.items() for i in f.h2d_rows]
     worst = max(per_rank, key=per_rank.get)
     ms = per_rank[worst]
     share = ms / ctx.mean_step_ms

@@ -23,18 +23,19 @@ check says it cannot be measured.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
 from diagnose.context import Context
-from diagnose.ingest.load import KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, KIND_RUNTIME
+from diagnose.ingest.load import (KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, KIND_RUNTIME,
+                                  RankTrace)
 from diagnose.intervals import covered, subtract, union
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import _names_matching
+from diagnose.timeline import RankTimeline, _names_matching
 
 ID = "host_sync"
 TITLE = "Host-device synchronisation stalls the device (.item(), .cpu(), synchronize())"
@@ -56,6 +57,7 @@ _CAUSES = (
      "a data-dependent output shape (nonzero, masked_select, boolean indexing)"),
 )
 MAX_LABELLED = 2000  # attributing a call to its op is a scan per call: the longest ones are enough
+TOP = 6  # evidence events per rank (and in all)
 
 
 def _cause(op: str | None) -> str:
@@ -86,11 +88,35 @@ def _innermost_ops(ev: pd.DataFrame, calls: pd.DataFrame) -> list[str | None]:
     return out
 
 
-def _rank(ctx: Context, r: int) -> dict:
-    """Per-rank measurement: caused idle per step, calls per step, host time blocked, evidence rows."""
-    run = ctx.run
-    tl = run.timelines[r]
-    ev = run.traces[r].events
+@dataclass(frozen=True, slots=True)
+class RankSyncs:
+    """One rank's synchronising calls inside its steps and the device idle they caused."""
+
+    has_runtime: bool
+    """Any CUDA/HIP runtime event at all (none: sampled or filtered trace)."""
+    item_calls: int
+    """aten::item events anywhere in the trace (said on CPU, where they cost nothing)."""
+    ms: float = 0.0
+    steps: int = 0
+    calls: int = 0
+    blocked_ms: float = 0.0
+    items_per_step: float = 0.0
+    by_name: tuple[tuple[str, int], ...] = ()
+    by_cause: tuple[tuple[str, int], ...] = ()
+    top: tuple[tuple[int, float, float, str], ...] = ()
+    """(row, idle caused us, call dur us, cause): the calls that caused most idle."""
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return tuple(t[0] for t in self.top)
+
+
+def reduce(trace: RankTrace, tl: RankTimeline) -> RankSyncs:
+    ev = trace.events
+    has_runtime = bool((ev["kind"] == KIND_RUNTIME).any())
+    item_calls = int((ev["name"] == "aten::item").sum())
+    if not tl.is_gpu or not has_runtime:
+        return RankSyncs(has_runtime=has_runtime, item_calls=item_calls)
     lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
     calls = ev[(ev["kind"] == KIND_RUNTIME).to_numpy() & _names_matching(ev, SYNC_CALL)]
     in_step = np.zeros(len(calls), dtype=bool)
@@ -119,62 +145,68 @@ def _rank(ctx: Context, r: int) -> dict:
     calls = calls.assign(caused=np.asarray(caused, dtype=float))
     labelled = calls.nlargest(MAX_LABELLED, ["caused", "dur"])
     causes = pd.Series(_innermost_ops(ev, labelled), index=labelled.index, dtype=object)
+    by_cause: dict[str, int] = {}
+    for op in causes:
+        label = _cause(op)
+        by_cause[label] = by_cause.get(label, 0) + 1
     items = ev[(ev["kind"] == KIND_CPU_OP).to_numpy() & _names_matching(ev, re.compile(r"^aten::item$"))]
     n_items = int(sum(((items["ts"] >= s) & (items["ts"] < e)).sum() for s, e in zip(lo, hi)))
-    return {"ms": float(np.mean(per_step_ms)) if len(per_step_ms) else 0.0, "calls": calls, "causes": causes,
-            "steps": len(lo), "blocked_ms": float(calls["dur"].sum()) / 1000 / max(len(lo), 1),
-            "items_per_step": n_items / max(len(lo), 1)}
+    top = calls.sort_values(["caused", "dur"], ascending=False).head(TOP)
+    return RankSyncs(
+        has_runtime=True, item_calls=item_calls, ms=float(np.mean(per_step_ms)) if len(per_step_ms) else 0.0,
+        steps=len(lo), calls=len(calls), blocked_ms=float(calls["dur"].sum()) / 1000 / max(len(lo), 1),
+        items_per_step=n_items / max(len(lo), 1),
+        by_name=tuple(calls["name"].astype(str).value_counts().items()), by_cause=tuple(by_cause.items()),
+        top=tuple((int(row), float(c["caused"]), float(c["dur"]), _cause(causes.get(row)))
+                  for row, c in top.iterrows()))
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     run = ctx.run
+    per = ctx.facts("host_sync")
     if not run.is_gpu:
-        n_items = sum(int((run.traces[r].events["name"] == "aten::item").sum()) for r in run.ranks)
+        n_items = sum(p.item_calls for p in per.values())
         gpus = any(run.traces[r].meta.get("deviceProperties") for r in run.ranks)
         why = ("the trace lists GPUs but holds no GPU events (CUDA activity not recorded): syncs cannot be "
                "timed; profile with ProfilerActivity.CUDA" if gpus else
                "not measurable on CPU: a CPU-only run has no device queue to drain, so .item()/.cpu() stall "
                f"nothing ({n_items} aten::item call(s) seen in the trace)")
         return [not_measurable(ID, TITLE, why)]
-    if not any((run.traces[r].events["kind"] == KIND_RUNTIME).any() for r in run.ranks):
+    if not any(p.has_runtime for p in per.values()):
         return [not_measurable(ID, TITLE, "no CUDA/HIP runtime events in the trace (sampled or filtered): "
                                "synchronising calls cannot be seen")]
-    per = {r: _rank(ctx, r) for r in run.ranks}
-    n_calls = {r: len(p["calls"]) / max(p["steps"], 1) for r, p in per.items()}
-    if not any(len(p["calls"]) for p in per.values()):
+    n_calls = {r: p.calls / max(p.steps, 1) for r, p in per.items()}
+    if not any(p.calls for p in per.values()):
         return [passed(ID, TITLE, "no synchronising runtime calls (cudaStreamSynchronize, cudaDeviceSynchronize, "
                        "cudaEventSynchronize, synchronous cudaMemcpy) inside the profiled steps")]
-    ms_by_rank = {r: p["ms"] for r, p in per.items()}
+    ms_by_rank = {r: p.ms for r, p in per.items()}
     ms = float(np.median(list(ms_by_rank.values())))
     share = ms / ctx.mean_step_ms
-    all_calls = pd.concat([p["calls"].assign(rank=r) for r, p in per.items()])
+    by_name: dict[str, int] = {}
     by_cause: dict[str, int] = {}
-    for r, p in per.items():
-        for op in p["causes"]:
-            label = _cause(op)
-            by_cause[label] = by_cause.get(label, 0) + 1
+    for p in per.values():
+        for k, v in p.by_name:
+            by_name[k] = by_name.get(k, 0) + v
+        for k, v in p.by_cause:
+            by_cause[k] = by_cause.get(k, 0) + v
     metrics: dict[str, float | int | str] = {
         "device_idle_after_sync_ms_per_step": round(ms, 3),
         "share_of_step": round(share, 4),
         "sync_calls_per_step": round(float(np.median(list(n_calls.values()))), 1),
-        "host_blocked_in_sync_ms_per_step": round(float(np.median([p["blocked_ms"] for p in per.values()])), 3),
-        "aten_item_calls_per_step": round(float(np.median([p["items_per_step"] for p in per.values()])), 1),
+        "host_blocked_in_sync_ms_per_step": round(float(np.median([p.blocked_ms for p in per.values()])), 3),
+        "aten_item_calls_per_step": round(float(np.median([p.items_per_step for p in per.values()])), 1),
         "calls_by_name_all_ranks": ", ".join(f"{n} x{c}" for n, c in
-                                             all_calls["name"].astype(str).value_counts().items()),
+                                             sorted(by_name.items(), key=lambda kv: -kv[1])),
         "calls_by_cause_all_ranks": "; ".join(f"{k} x{v}" for k, v in
                                               sorted(by_cause.items(), key=lambda kv: -kv[1])),
     }
     for r in sorted(per):
         metrics[f"rank{r}_sync_idle_ms"] = round(ms_by_rank[r], 3)
-    top = all_calls.sort_values(["caused", "dur"], ascending=False).head(6)
-    refs = []
-    for row, c in top.iterrows():
-        r = int(c["rank"])
-        op = per[r]["causes"].get(row)
-        refs.append(ctx.event_ref(r, int(row), f"host blocked {c['dur'] / 1000:.3f} ms, device then idle "
-                                  f"{c['caused'] / 1000:.3f} ms; {_cause(op)}"))
+    top = sorted(((r, t) for r, p in per.items() for t in p.top), key=lambda rt: (-rt[1][1], -rt[1][2]))[:TOP]
+    refs = [ctx.event_ref(r, row, f"host blocked {dur / 1000:.3f} ms, device then idle {caused / 1000:.3f} ms; "
+                          f"{cause}") for r, (row, caused, dur, cause) in top]
     ranks = tuple(r for r, v in ms_by_rank.items() if v / ctx.mean_step_ms >= th.host_sync) or tuple(
-        r for r in run.ranks if len(per[r]["calls"]))
+        r for r in run.ranks if per[r].calls)
     linked = any(run.traces[r].flows for r in run.ranks)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),

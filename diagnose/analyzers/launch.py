@@ -12,6 +12,7 @@ which a larger micro-batch amortises.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -19,11 +20,12 @@ import pandas as pd
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.intervals import covered, intersect, merge, subtract, union
-from diagnose.ingest.load import (KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_RUNTIME)
+from diagnose.ingest.load import (KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_RUNTIME,
+                                  RankTrace)
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, _names_matching
-from diagnose.timeline import runtime_launch_delay
+from diagnose.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
+                               _names_matching, runtime_launch_delay)
 
 ID = "launch_overhead"
 TITLE = "Micro-batch too small / launch overhead (device waits for the host)"
@@ -37,56 +39,103 @@ DENSE = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|conv|_convolutio
                    r"cudnn_convolution|_scaled_dot_product|scaled_dot_product|einsum)")
 
 
+@dataclass(frozen=True, slots=True)
+class HostBound:
+    """GPU rank: device idle while the host is busy, and the kernel/launch figures behind it."""
+
+    ms: float
+    """Mean per-step device idle (outside DataLoader waits) while the host runs non-sync CPU ops."""
+    idle_us: float
+    host_in_idle_us: float
+    kernels_per_step: float
+    median_kernel_us: float | None
+    median_launch_delay_us: float | None
+    linked: int
+    """Kernels linked to their launch (correlation ids)."""
+    kernels: int
+    evidence: tuple[tuple[int, str], ...]
+    """(row, note): the host ops during the longest such idle gaps."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpOverhead:
+    """CPU rank: per-op fixed cost per step."""
+
+    ms: float
+    ops_per_step: float | None
+    """None: no host ops in the steps."""
+    fixed_cost_us: float | None
+    dense_share: float | None
+    typical_rows: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RankLaunch:
+    gpu: HostBound | None
+    cpu: OpOverhead | None
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return (tuple(r for r, _ in self.gpu.evidence) if self.gpu else ()) + (self.cpu.typical_rows if self.cpu else ())
+
+
+def reduce(trace: RankTrace, tl: RankTimeline) -> RankLaunch:
+    if tl.is_gpu:
+        return RankLaunch(gpu=_host_bound(trace.events, tl), cpu=None)
+    return RankLaunch(gpu=None, cpu=_op_overhead(trace.events, tl))
+
+
+def _host_bound(ev: pd.DataFrame, tl: RankTimeline) -> HostBound:
+    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    busy = merge(merge(tl.compute, tl.comm), tl.dataloader)
+    idle = subtract(union(lo, hi), busy)
+    sync = ev[(ev["kind"] == KIND_RUNTIME).to_numpy() & _names_matching(ev, SYNC)]
+    host = subtract(tl.host_busy, union(sync["ts"], sync["ts"] + sync["dur"]))
+    host_idle = intersect(idle, host)
+    k = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
+    k_in = k[(k["ts"] >= lo.min()) & (k["ts"] < hi.max())]
+    d = runtime_launch_delay(ev)
+    evidence = []
+    # evidence: the longest idle gaps while the host was busy
+    if len(host_idle):
+        for i in np.argsort(host_idle.ends - host_idle.starts)[-2:]:
+            s, e = float(host_idle.starts[i]), float(host_idle.ends[i])
+            ops = ev[(ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()) & (ev["ts"] <= s).to_numpy()
+                     & ((ev["ts"] + ev["dur"]) >= e).to_numpy()]
+            if len(ops):
+                evidence.append((int(ops["dur"].idxmin()), f"device idle {(e - s) / 1000:.2f} ms during this host op"))
+    return HostBound(ms=float(np.mean(covered(host_idle, lo, hi))) / 1000, idle_us=idle.total,
+                     host_in_idle_us=host_idle.total, kernels_per_step=len(k_in) / max(len(lo), 1),
+                     median_kernel_us=float(np.median(k_in["dur"])) if len(k_in) else None,
+                     median_launch_delay_us=float(np.median(d)) if d.size else None, linked=int(d.size),
+                     kernels=len(k), evidence=tuple(evidence))
+
+
 def _gpu(ctx: Context, th: Thresholds) -> Check:
     run = ctx.run
-    per_rank: dict[int, float] = {}
+    facts = {r: f.gpu for r, f in ctx.facts("launch_overhead").items() if f.gpu is not None}
+    per_rank = {r: f.ms for r, f in facts.items()}
     metrics: dict[str, float | int | str] = {}
-    linked, n_kernels_all, counts, durs, delays, idle_total, host_in_idle = 0, 0, [], [], [], 0.0, 0.0
-    refs = []
-    for r, tl in run.timelines.items():
-        ev = run.traces[r].events
-        lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-        busy = merge(merge(tl.compute, tl.comm), tl.dataloader)
-        window = union(lo, hi)
-        idle = subtract(window, busy)
-        sync = ev[(ev["kind"] == KIND_RUNTIME).to_numpy() & _names_matching(ev, SYNC)]
-        host = subtract(tl.host_busy, union(sync["ts"], sync["ts"] + sync["dur"]))
-        host_idle = intersect(idle, host)
-        per_rank[r] = float(np.mean(covered(host_idle, lo, hi))) / 1000
-        idle_total += idle.total
-        host_in_idle += host_idle.total
-        k = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
-        k_in = k[(k["ts"] >= lo.min()) & (k["ts"] < hi.max())]
-        counts.append(len(k_in) / max(len(lo), 1))
-        durs.append(k_in["dur"].to_numpy())
-        d = runtime_launch_delay(ev)
-        delays.append(d)
-        linked += d.size
-        n_kernels_all += len(k)
-        # evidence: the longest idle gaps while the host was busy
-        if len(host_idle):
-            g = np.argsort(host_idle.ends - host_idle.starts)[-2:]
-            for i in g:
-                s, e = float(host_idle.starts[i]), float(host_idle.ends[i])
-                ops = ev[(ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()) & (ev["ts"] <= s).to_numpy()
-                         & ((ev["ts"] + ev["dur"]) >= e).to_numpy()]
-                if len(ops):
-                    row = int(ops["dur"].idxmin())
-                    refs.append(ctx.event_ref(r, row, f"device idle {(e - s) / 1000:.2f} ms during this host op"))
+    refs = [ctx.event_ref(r, row, note) for r, f in facts.items() for row, note in f.evidence]
+    idle_total = sum(f.idle_us for f in facts.values())
+    host_in_idle = sum(f.host_in_idle_us for f in facts.values())
+    linked = sum(f.linked for f in facts.values())
+    n_kernels_all = sum(f.kernels for f in facts.values())
+    # medians over ranks of each rank's median: a rank reports its median, not its every kernel
+    kernel_us = [f.median_kernel_us for f in facts.values() if f.median_kernel_us is not None]
+    delay_us = [f.median_launch_delay_us for f in facts.values() if f.median_launch_delay_us is not None]
     ms = float(np.median(list(per_rank.values())))
     share = ms / ctx.mean_step_ms
-    all_durs = np.concatenate(durs) if durs else np.zeros(0)
-    all_delays = np.concatenate(delays) if delays else np.zeros(0)
     metrics.update({
         "device_idle_host_busy_ms_per_step": round(ms, 3),
         "share_of_step": round(share, 4),
         "device_idle_share": round(float(ctx.table["other_ms"].sum() / ctx.table["step_ms"].sum()), 4),
         "host_busy_share_of_idle": round(host_in_idle / idle_total, 4) if idle_total else 0.0,
-        "kernels_per_step": round(float(np.median(counts)), 1),
-        "median_kernel_us": round(float(np.median(all_durs)), 2) if all_durs.size else 0.0,
-        "median_launch_delay_us": round(float(np.median(all_delays)), 2) if all_delays.size else "not linked",
+        "kernels_per_step": round(float(np.median([f.kernels_per_step for f in facts.values()])), 1),
+        "median_kernel_us": round(float(np.median(kernel_us)), 2) if kernel_us else 0.0,
+        "median_launch_delay_us": round(float(np.median(delay_us)), 2) if delay_us else "not linked",
     })
-    base = "high" if all_durs.size and np.median(all_durs) < 50 else "medium"
+    base = "high" if kernel_us and np.median(kernel_us) < 50 else "medium"
     linked_share = linked / n_kernels_all if n_kernels_all else 0.0
     metrics["kernels_linked_to_launch"] = round(linked_share, 3)
     if linked_share < 0.5 or not any(run.traces[r].flows for r in run.ranks):
@@ -127,45 +176,47 @@ def _self_times(df: pd.DataFrame) -> np.ndarray:
     return np.maximum(self_t, 0.0)
 
 
+def _op_overhead(ev: pd.DataFrame, tl: RankTimeline) -> OpOverhead:
+    host_kinds = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
+    comm_tids = tl.comm_threads
+    excl = (_names_matching(ev, PROFILER_STEP) | _names_matching(ev, DATALOADER)
+            | _names_matching(ev, CPU_COMM_ENQUEUE) | _names_matching(ev, CPU_COMM_TRANSFER))
+    ops = ev[host_kinds & ~excl & ~ev["tid"].astype(str).isin(comm_tids).to_numpy()]
+    ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
+    ops = ops.assign(self_us=_self_times(ops))
+    # ops inside a DataLoader fetch are input work, counted by the dataloader check
+    if len(tl.dataloader):
+        inside = covered(tl.dataloader, ops["ts"], ops["ts"] + ops["dur"]) > 0
+        ops = ops[~inside]
+    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    if ops.empty:
+        return OpOverhead(ms=0.0, ops_per_step=None, fixed_cost_us=None, dense_share=None, typical_rows=())
+    # an op's fixed cost is at most its fastest instance's self time: at that size
+    # the work is smallest, so what remains is dispatch and bookkeeping
+    fixed_cost = ops.groupby("name", observed=True)["self_us"].transform("min").to_numpy()
+    floor = float(np.median(fixed_cost))
+    idx = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
+    ok = (idx >= 0) & (ops["ts"].to_numpy() < hi[np.clip(idx, 0, None)])
+    fixed = np.bincount(idx[ok], weights=np.minimum(ops["self_us"].to_numpy(), fixed_cost)[ok], minlength=len(lo))
+    n_ops = np.bincount(idx[ok], minlength=len(lo))
+    dense = ops[_names_matching(ops, DENSE)]
+    c = covered(tl.compute, lo, hi).sum()
+    typical = ops.iloc[np.argsort(np.abs(ops["self_us"].to_numpy() - floor))[:2]].index
+    return OpOverhead(ms=float(np.mean(fixed)) / 1000, ops_per_step=float(np.mean(n_ops)), fixed_cost_us=floor,
+                      dense_share=float(dense["self_us"].sum() / c) if c else 0.0,
+                      typical_rows=tuple(int(i) for i in typical))
+
+
 def _cpu(ctx: Context, th: Thresholds) -> Check:
     run = ctx.run
-    per_rank: dict[int, float] = {}
-    ops_per_step, floors, dense_shares = [], [], []
-    refs = []
-    for r, tl in run.timelines.items():
-        ev = run.traces[r].events
-        host_kinds = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
-        comm_tids = tl.comm_threads
-        excl = (_names_matching(ev, PROFILER_STEP) | _names_matching(ev, DATALOADER)
-                | _names_matching(ev, CPU_COMM_ENQUEUE) | _names_matching(ev, CPU_COMM_TRANSFER))
-        ops = ev[host_kinds & ~excl & ~ev["tid"].astype(str).isin(comm_tids).to_numpy()]
-        ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"],
-                                                                 ascending=[True, True, False])
-        ops = ops.assign(self_us=_self_times(ops))
-        # ops inside a DataLoader fetch are input work, counted by the dataloader check
-        if len(tl.dataloader):
-            inside = covered(tl.dataloader, ops["ts"], ops["ts"] + ops["dur"]) > 0
-            ops = ops[~inside]
-        lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-        if ops.empty:
-            per_rank[r] = 0.0
-            continue
-        # an op's fixed cost is at most its fastest instance's self time: at that size
-        # the work is smallest, so what remains is dispatch and bookkeeping
-        fixed_cost = ops.groupby("name", observed=True)["self_us"].transform("min").to_numpy()
-        floor = float(np.median(fixed_cost))
-        idx = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
-        ok = (idx >= 0) & (ops["ts"].to_numpy() < hi[np.clip(idx, 0, None)])
-        fixed = np.bincount(idx[ok], weights=np.minimum(ops["self_us"].to_numpy(), fixed_cost)[ok], minlength=len(lo))
-        n_ops = np.bincount(idx[ok], minlength=len(lo))
-        per_rank[r] = float(np.mean(fixed)) / 1000
-        ops_per_step.append(float(np.mean(n_ops)))
-        floors.append(floor)
-        dense = ops[_names_matching(ops, DENSE)]
-        c = covered(tl.compute, lo, hi).sum()
-        dense_shares.append(float(dense["self_us"].sum() / c) if c else 0.0)
-        refs += [ctx.event_ref(r, int(i), "a typical op: fixed cost dominates") for i in
-                 ops.iloc[np.argsort(np.abs(ops["self_us"].to_numpy() - floor))[:2]].index]
+    facts = {r: f.cpu for r, f in ctx.facts("launch_overhead").items() if f.cpu is not None}
+    per_rank = {r: f.ms for r, f in facts.items()}
+    measured = [f for f in facts.values() if f.ops_per_step is not None]
+    ops_per_step = [f.ops_per_step for f in measured]
+    floors = [f.fixed_cost_us for f in measured]
+    dense_shares = [f.dense_share for f in measured]
+    refs = [ctx.event_ref(r, i, "a typical op: fixed cost dominates") for r, f in facts.items()
+            for i in f.typical_rows]
     ms = float(np.median(list(per_rank.values())))
     share = ms / ctx.mean_step_ms
     metrics: dict[str, float | int | str] = {

@@ -28,11 +28,11 @@ import pandas as pd
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, passed
 from diagnose.context import Context
-from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP
+from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, RankTrace
 from diagnose.intervals import covered, subtract, union
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import _names_matching
+from diagnose.timeline import RankTimeline, _names_matching
 
 ID = "pipeline_bubble"
 TITLE = "Pipeline bubbles (stages idle while the pipeline fills and drains)"
@@ -45,7 +45,8 @@ COMM_OP = re.compile(r"^(c10d::|gloo:|nccl:|record_param_comms$)")
 
 @dataclass(frozen=True, slots=True)
 class Stage:
-    rank: int
+    """One rank's summary: how much of its steps it computes, and its point-to-point traffic."""
+
     step_ms: float
     busy_ms: float
     idle_fraction: float
@@ -56,6 +57,10 @@ class Stage:
     wait_rows: tuple[int, ...]
     """The longest receive transfers (waiting for the neighbour stage included): evidence."""
 
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return self.wait_rows
+
 
 def _per_step_count(ts: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> float:
     if not len(lo):
@@ -63,10 +68,8 @@ def _per_step_count(ts: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> float:
     return float(np.median([int(((ts >= s) & (ts < e)).sum()) for s, e in zip(lo, hi)]))
 
 
-def _stage(ctx: Context, r: int) -> Stage:
-    run = ctx.run
-    tl = run.timelines[r]
-    ev = run.traces[r].events
+def reduce(trace: RankTrace, tl: RankTimeline) -> Stage:
+    ev = trace.events
     lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
     if tl.is_gpu:
         busy = tl.compute
@@ -79,8 +82,8 @@ def _stage(ctx: Context, r: int) -> Stage:
     if recv.empty:
         recv = ev[host & _names_matching(ev, RECV_TRANSFER)]
     rpc = ev[host & (ev["name"] == "record_param_comms").to_numpy()]
-    if len(rpc) and len(run.traces[r].comm_args) and "Collective name" in run.traces[r].comm_args:
-        names = run.traces[r].comm_args["Collective name"].reindex(rpc.index).astype(str)
+    if len(rpc) and len(trace.comm_args) and "Collective name" in trace.comm_args:
+        names = trace.comm_args["Collective name"].reindex(rpc.index).astype(str)
         p2p_ts = np.concatenate([p2p_ts, rpc["ts"].to_numpy()[names.str.contains("send|recv").to_numpy()]])
         if recv.empty:
             recv = rpc[names.str.contains("recv").to_numpy()]
@@ -101,7 +104,7 @@ def _stage(ctx: Context, r: int) -> Stage:
     if waits.empty:
         waits = recv
     in_steps = waits[(waits["ts"] >= lo.min()) & (waits["ts"] < hi.max())] if len(lo) else waits.iloc[:0]
-    return Stage(rank=r, step_ms=float(np.mean(step_us)) / 1000, busy_ms=float(np.mean(busy_us)) / 1000,
+    return Stage(step_ms=float(np.mean(step_us)) / 1000, busy_ms=float(np.mean(busy_us)) / 1000,
                  idle_fraction=float(np.mean(1 - busy_us / step_us)),
                  p2p_per_step=_per_step_count(p2p_ts, lo, hi),
                  recvs_per_step=_per_step_count(recv["ts"].to_numpy(), lo, hi), microbatches=micro,
@@ -115,7 +118,7 @@ def bubble_bound(p: int, m: int, v: int = 1) -> float:
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     run = ctx.run
-    stages = {r: _stage(ctx, r) for r in run.ranks}
+    stages = ctx.facts("pipeline_bubble")
     pipe = {r: s for r, s in stages.items() if s.p2p_per_step > 0 or s.microbatches}
     if not pipe or not any(s.p2p_per_step > 0 for s in pipe.values()):
         return [passed(ID, TITLE, "no point-to-point send/recv between ranks in the profiled steps: "

@@ -75,6 +75,10 @@ class RankTrace:
     steps ending after the cut dropped. Findings that rely on this rank deserve less trust."""
     bytes_read: int = 0
     """Uncompressed size of the file."""
+    span_us: tuple[float, float] | None = None
+    """[first event start, last event end] in the file's clock, taken before any reduction."""
+    hip: bool = False
+    """AMD (hip* runtime calls) rather than CUDA."""
 
     @property
     def world_size(self) -> int | None:
@@ -119,10 +123,12 @@ def load_trace(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES, typed: bool
             notes.append(f"{n_cut} step marker(s) after the cut dropped")
     warnings = _warnings(path.name, state, res, table, notes)
     rank, source = _rank(res.meta, path)
+    span = (float(events["ts"].min()), float((events["ts"] + events["dur"]).max())) if len(events) else None
+    hip = bool(events["name"].cat.categories.str.startswith("hip").any())
     return RankTrace(path=path, rank=rank, rank_source=source, meta=res.meta, events=events,
                      comm_args=comm_args, thread_names=table.thread_names, flows=table.flows,
                      dropped=table.dropped + res.bad, warnings=warnings, salvaged=salvaged,
-                     bytes_read=state.total)
+                     bytes_read=state.total, span_us=span, hip=hip)
 
 
 def _rank(meta: dict, path: Path) -> tuple[int | None, str]:
