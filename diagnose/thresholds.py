@@ -32,6 +32,12 @@ class Thresholds:
     collectives it takes part in (or its mean lateness dominates); random jitter spreads
     'last' roughly evenly over ranks."""
 
+    straggler_alpha: float = 0.05
+    """...and only if being last that often is unlikely by chance: with n ranks each is last
+    at 1/n of the collectives under jitter alone, so with two ranks "last at 60% of 5" is a
+    coin toss. One-sided binomial test at the usual 5% level (collectives taken as
+    independent: lenient, since one slow step makes a rank last at all its collectives)."""
+
     launch_overhead: float = 0.10
     """Flag launch/host overhead when the device idles (outside DataLoader waits) for
     >= 10% of the step; HTA's idle-time view treats 10%+ idle as worth acting on."""

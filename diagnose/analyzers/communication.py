@@ -1,9 +1,11 @@
 """2. Communication vs compute overlap.
 
 Estimation: per rank, the mean per-step communication time not hidden under
-compute, less the time spent waiting for the single last-arriving rank (that part
-is the straggler check's). Job-level: the median rank, since a collective ends at
-the same moment on every rank and the median is robust to one rank's noise.
+compute, less the time spent waiting for the single last-arriving rank when that is
+a straggler (the straggler check's part). When no rank is last more than chance, that
+waiting is arrival jitter and stays here. Job-level: the median rank, since a
+collective ends at the same moment on every rank and the median is robust to one
+rank's noise.
 Also reports collectives per step, their sizes, and overlap.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
+from diagnose.analyzers.straggler import late_rank
 from diagnose.context import Context
 from diagnose.intervals import covered
 from diagnose.model import Check, Finding
@@ -38,6 +41,11 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                                "the profiler may not have recorded communication")]
     exposed = ctx.per_rank_mean("exposed_comm_ms")
     wait = ctx.per_rank_mean("straggler_wait_ms")
+    late = late_rank(ctx, th)
+    jitter = late is not None and not late.beyond_chance(th)
+    if jitter:  # no straggler to fix: waiting for whoever came last is part of communicating
+        exposed = exposed + wait
+        wait = wait * 0.0
     ms = float(np.median(exposed.to_numpy()))
     share = ms / ctx.mean_step_ms
     totals, counts, sizes = {}, [], []
@@ -60,6 +68,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         "median_collective_bytes": round(median_bytes) if sizes else "not recorded",
         "share_of_step": round(share, 4),
     }
+    if jitter:
+        metrics["includes_arrival_jitter_ms_per_step"] = round(float(np.median(
+            ctx.per_rank_mean("straggler_wait_ms").to_numpy())), 3)
     for r in exposed.index:
         metrics[f"rank{r}_exposed_comm_ms"] = round(float(exposed[r]), 3)
     if run.is_gpu:
@@ -79,7 +90,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         ranks=ranks or tuple(run.ranks), metrics=metrics, events=refs, fix=FIX_TINY if tiny else FIX,
         confidence=confidence_for(ctx, "high" if len(run.ranks) > 1 else "medium"),
         method="Median over ranks of per-step communication not hidden under compute, excluding time "
-               "spent waiting for the last-arriving rank.")
+               "spent waiting for a straggler (the last-arriving rank, when it is last beyond chance).")
     reason = (f"communication is exposed {ms:.1f} ms per step ({share:.0%}); "
               f"{metrics['overlapped_share']:.0%} of it overlaps compute")
     if tiny:

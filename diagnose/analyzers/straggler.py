@@ -5,6 +5,17 @@ collectives are matched across ranks (diagnose.collectives) and each rank's arri
 compared. A rank is named when it is the last to arrive at a consistent share of
 the collectives.
 
+Being last is evidence only beyond chance: with n ranks, jitter alone makes each rank last
+at about 1/n of the collectives and late by nothing on average. The named rank is a
+straggler when either of two one-sided tests finds its record unlikely under jitter
+(each at Thresholds.straggler_alpha / 2, so both together at about alpha), in the
+profiled steps or in the probes' every-step record:
+- last more often than 1/n (binomial): strong with many ranks or many collectives;
+- its arrival minus the latest other rank's is positive on average (Student's t):
+  strong with few collectives when the lateness is steady (4 of 4 collectives late by
+  50 ms each is no coin toss, though 4 heads in a row can be).
+Otherwise the waiting is arrival jitter, and the check passes saying so.
+
 Estimation: the median, over the other ranks, of the per-step time they spend
 waiting for the last rank alone (after the second-latest arrived): had the late
 rank arrived with the rest, each collective, and so the step, would end that much
@@ -12,7 +23,11 @@ sooner.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
+import pandas as pd
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
@@ -28,26 +43,151 @@ FIX = ("Find what makes the named rank(s) late: compare their step breakdown wit
        "move the job off a noisy host.")
 
 
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularised incomplete beta function (modified Lentz)."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-14:
+            break
+    return h
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    lbt = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(lbt) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(lbt) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_sf(t: float, df: int) -> float:
+    """P(T >= t) for Student's t with df degrees of freedom."""
+    tail = 0.5 * _betai(df / 2.0, 0.5, df / (df + t * t))
+    return tail if t >= 0 else 1.0 - tail
+
+
+def mean_positive_p(d: np.ndarray) -> float:
+    """One-sided p-value that the mean of d is > 0 (one-sample t-test); 1.0 when it cannot say."""
+    d = d[np.isfinite(d)]
+    if len(d) < 2 or d.mean() <= 0:
+        return 1.0
+    sd = float(d.std(ddof=1))
+    if sd == 0.0:
+        return 0.0  # every difference equal and positive
+    return t_sf(float(d.mean()) / (sd / math.sqrt(len(d))), len(d) - 1)
+
+
+def _excess(arrivals: pd.DataFrame, key: list[str], rank: int) -> np.ndarray:
+    """Per collective: the rank's arrival minus the latest other rank's (> 0 when it came last)."""
+    mine = arrivals[arrivals["rank"] == rank].groupby(key)["arrival"].max()
+    others = arrivals[arrivals["rank"] != rank].groupby(key)["arrival"].max()
+    both = pd.concat([mine.rename("me"), others.rename("other")], axis=1, join="inner")
+    return (both["me"] - both["other"]).to_numpy(dtype=float)
+
+
+def binom_sf(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): how likely a rank is last k or more times of n by chance."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    if p <= 0.0 or p >= 1.0:
+        return 0.0 if p <= 0.0 else 1.0
+    lp, lq = math.log(p), math.log1p(-p)
+    # log-space terms: exact for the thousands of collectives a long profile holds
+    logs = [math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * lp + (n - j) * lq
+            for j in range(k, n + 1)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
+
+
+@dataclass(frozen=True, slots=True)
+class LateRank:
+    """Who comes last at the collectives, and whether that is beyond chance."""
+
+    named: tuple[int, ...]
+    last_share: dict[int, float]
+    consistent: float
+    """The named rank's share of collectives at which it came last."""
+    chance: float
+    p_value: float
+    """The smallest of the tests' p-values (profiled steps and every-step record)."""
+    units: int
+    """Collectives the tests could use (the larger of the two records)."""
+    metrics: dict[str, float | int]
+    every_agree: float | None
+    """Share of the every-step collectives at which a named rank came last (None: no record)."""
+
+    def beyond_chance(self, th: Thresholds) -> bool:
+        """A straggler, not jitter. With under 2 collectives neither test can tell: still named
+        (at low confidence), since one step's late arrival is all the evidence there is."""
+        return self.units < 2 or self.p_value <= th.straggler_alpha / 2
+
+
+def late_rank(ctx: Context, th: Thresholds) -> LateRank | None:
+    """The rank most often last at the matched collectives (None: nothing to match)."""
+    pc = ctx.matched.per_collective
+    if len(ctx.run.ranks) < 2 or pc.empty:
+        return None
+    n = len(pc)
+    last_share = pc.groupby("last_rank").size() / n
+    named = [int(r) for r in last_share[last_share >= th.straggler_consistency].index] or [int(last_share.idxmax())]
+    chance = 1.0 / max(float(pc["n_ranks"].median()), 2.0)
+    p_last = binom_sf(int(pc["last_rank"].isin(named).sum()), n, min(1.0, chance * len(named)))
+    pr = ctx.matched.per_rank
+    p_late = mean_positive_p(_excess(pr, ["step", "pg", "seq"], named[0])) if len(named) == 1 else 1.0
+    p_value, units, agree = min(p_last, p_late), n, None
+    metrics: dict[str, float | int] = {"chance_last_share": round(chance, 3),
+                                       "p_last_more_than_chance": round(p_last, 4),
+                                       "p_late_on_average": round(p_late, 4)}
+    every = every_step_lateness(ctx.probes)
+    if not every.empty:
+        key = ["step", "group", "seq"]
+        last = every.loc[every.groupby(key)["arrival"].idxmax(), "rank"]
+        every_share = last.value_counts(normalize=True)
+        metrics["every_step_collectives"] = int(len(last))
+        for r in sorted(every_share.index):
+            metrics[f"rank{int(r)}_every_step_last_share"] = round(float(every_share[r]), 3)
+        agree = float(every_share.reindex(named).fillna(0).max())
+        every_ranks = int(every.groupby(key)["rank"].nunique().median())
+        p_every = binom_sf(int(last.isin(named).sum()), len(last), min(1.0, len(named) / max(every_ranks, 2)))
+        if len(named) == 1:
+            p_every = min(p_every, mean_positive_p(_excess(every, key, named[0])))
+        metrics["every_step_p_value"] = round(p_every, 4)
+        p_value, units = min(p_value, p_every), max(units, len(last))
+    return LateRank(named=tuple(named), last_share={int(r): float(v) for r, v in last_share.items()},
+                    consistent=float(last_share.reindex(named).fillna(0).max()), chance=chance, p_value=p_value,
+                    units=units, metrics=metrics, every_agree=agree)
+
+
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     run = ctx.run
     if len(run.ranks) < 2:
         return [not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: lateness needs at least two ranks")]
-    pc = ctx.matched.per_collective
-    if pc.empty:
+    late = late_rank(ctx, th)
+    if late is None:
         return [not_measurable(ID, TITLE, "no collectives could be matched across ranks")]
-    n = len(pc)
-    last_share = pc.groupby("last_rank").size() / n
-    pr = ctx.matched.per_rank
+    pc, pr = ctx.matched.per_collective, ctx.matched.per_rank
+    n, named, consistent = len(pc), list(late.named), late.consistent
     lateness_ms = pr.groupby("rank")["lateness"].mean() / 1000
-    named = [int(r) for r in last_share[last_share >= th.straggler_consistency].index]
-    if not named:
-        top = int(last_share.idxmax())
-        named = [top]
     wait = ctx.per_rank_mean("straggler_wait_ms")
     others = wait.drop(index=named, errors="ignore")
     ms = float(np.median(others.to_numpy())) if len(others) else 0.0
     share = ms / ctx.mean_step_ms
-    consistent = float(last_share.reindex(named).fillna(0).max())
     mismatched = int((~pc["names_agree"].astype(bool)).sum())
     metrics: dict[str, float | int | str] = {
         "collectives_matched": n,
@@ -55,26 +195,22 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         "wait_imposed_ms_per_step": round(ms, 3),
         "share_of_step": round(share, 4),
     }
-    for r in sorted(last_share.index):
-        metrics[f"rank{int(r)}_last_share"] = round(float(last_share[r]), 3)
+    for r in sorted(late.last_share):
+        metrics[f"rank{r}_last_share"] = round(late.last_share[r], 3)
     for r in lateness_ms.index:
         metrics[f"rank{int(r)}_mean_lateness_ms"] = round(float(lateness_ms[r]), 3)
     if mismatched:
         metrics["collectives_with_mismatched_names"] = mismatched
+    metrics.update(late.metrics)
     base = "high" if consistent >= 0.8 else "medium" if consistent >= th.straggler_consistency else "low"
-    every = every_step_lateness(ctx.probes)
-    if not every.empty:
-        last = every.loc[every.groupby(["step", "group", "seq"])["arrival"].idxmax(), "rank"]
-        every_share = last.value_counts(normalize=True)
-        metrics["every_step_collectives"] = int(len(last))
-        for r in sorted(every_share.index):
-            metrics[f"rank{int(r)}_every_step_last_share"] = round(float(every_share[r]), 3)
-        agree = float(every_share.reindex(named).fillna(0).max())
-        # hundreds of steps agreeing with the profiled window make the verdict firm
-        if agree >= 0.8 and len(last) >= 10:
-            base = "high"
+    # hundreds of steps agreeing with the profiled window make the verdict firm
+    if late.every_agree is not None and late.every_agree >= 0.8 and metrics.get("every_step_collectives", 0) >= 10:
+        base = "high"
     if ctx.matched.match_ratio < 0.9 or mismatched > 0.1 * n:
         base = "low"  # sampled or partial traces: matching by order is unreliable
+    if late.units < 2:
+        base = "low"
+        metrics["note"] = "one collective only: too few to tell a straggler from jitter"
     # evidence: the straggler's latest arrivals
     rows = pr[pr["rank"].isin(named)].nlargest(5, "lateness")
     refs = tuple(ctx.event_ref(int(r.rank), int(r.row), f"arrived {r.lateness / 1000:.2f} ms after the median rank")
@@ -87,4 +223,10 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                "last rank alone (after the second-latest arrived).")
     reason = (f"rank {names} is last to arrive at {consistent:.0%} of {n} collectives; the others wait "
               f"{ms:.1f} ms per step for it")
+    if not late.beyond_chance(th):
+        # measured 0: the waiting is the communication check's, counted there once
+        return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
+                      reason=f"no rank is late more than chance: rank {names} is last at {consistent:.0%} of {n} "
+                             f"collectives against {late.chance:.0%} by chance (p={late.p_value:.2f}); the "
+                             f"{ms:.1f} ms per step of waiting is arrival jitter, counted as exposed communication")]
     return [flag_or_pass(f, th.straggler, th, reason)]

@@ -1,0 +1,83 @@
+"""Straggler or jitter: a rank is named only when it is last more often than chance."""
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from diagnose.analyzers.straggler import binom_sf, t_sf
+from diagnose.pipeline import diagnose_paths
+
+STEP_US, WORK_US, TRANSFER_US = 10_000.0, 3_000.0, 500.0
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def write_pair(directory, late_rank_per_step: list[int], late_us: float | list[float]) -> None:
+    """Two gloo ranks; at each step the listed rank computes late_us longer before the all-reduce,
+    and the other waits for it inside the transfer (everyone leaves together)."""
+    lates = late_us if isinstance(late_us, list) else [late_us] * len(late_rank_per_step)
+    for r in (0, 1):
+        evs = []
+        for s, late in enumerate(late_rank_per_step):
+            t0 = 1_000_000.0 + s * STEP_US
+            arrive = {q: t0 + WORK_US + (lates[s] if q == late else 0.0) for q in (0, 1)}
+            leave = max(arrive.values()) + TRANSFER_US
+            evs += [_x("user_annotation", f"ProfilerStep#{s}", t0, STEP_US, 1),
+                    _x("cpu_op", "aten::mm", t0, arrive[r] - t0, 1),
+                    _x("cpu_op", "c10d::allreduce_", arrive[r], 5.0, 1),
+                    _x("user_annotation", "gloo:all_reduce", arrive[r] + 2, leave - arrive[r] - 2, 3)]
+        doc = {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": r, "world_size": 2},
+               "host_name": "node", "traceEvents": evs}
+        (directory / f"rank{r}.pt.trace.json").write_bytes(orjson.dumps(doc))
+
+
+def straggler(d):
+    return next(c for c in d.checks if c.id == "straggler")
+
+
+def test_binomial_tail_matches_the_exact_sum():
+    for k, n, p in [(3, 5, 0.5), (5, 5, 0.5), (8, 10, 0.5), (5, 8, 0.125), (0, 4, 0.3), (120, 400, 0.25)]:
+        exact = sum(math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(k, n + 1))
+        assert binom_sf(k, n, p) == pytest.approx(exact, rel=1e-9)
+    assert binom_sf(6, 5, 0.5) == 0.0
+
+
+def test_a_rank_last_at_every_step_is_named(tmp_path):
+    write_pair(tmp_path, [1] * 6, late_us=2_000.0)
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.status == "flagged" and c.finding.ranks == (1,)
+    assert c.finding.metrics["p_last_more_than_chance"] == pytest.approx(0.5**6, abs=1e-4)
+
+
+def test_few_collectives_steadily_late_are_a_straggler(tmp_path):
+    # 4 of 4 is what a coin gives 1 time in 16, but 4 arrivals each ~5 ms late are not a coin toss
+    write_pair(tmp_path, [1] * 4, late_us=[5_000.0, 5_300.0, 4_800.0, 5_100.0])
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.status == "flagged" and c.finding.ranks == (1,)
+    m = c.finding.metrics
+    assert m["p_last_more_than_chance"] == pytest.approx(1 / 16, abs=1e-4) and m["p_late_on_average"] < 1e-3
+
+
+def test_t_tail_matches_tabulated_critical_values():
+    for t, df, p in [(2.353, 3, 0.05), (2.132, 4, 0.05), (1.833, 9, 0.05), (12.706, 1, 0.025)]:
+        assert t_sf(t, df) == pytest.approx(p, abs=2e-4)
+    assert t_sf(0.0, 7) == pytest.approx(0.5)
+
+
+def test_last_by_chance_is_jitter_not_a_straggler(tmp_path):
+    # rank 1 last at 4 of 6 steps, 2 ms each time: the others wait 20% of the step, yet with two
+    # ranks that split is what a coin gives (p = 0.34)
+    write_pair(tmp_path, [0, 1, 1, 0, 1, 1], late_us=2_000.0)
+    d = diagnose_paths([tmp_path])
+    c = straggler(d)
+    assert c.status == "passed" and "arrival jitter" in c.reason and c.measured_ms == 0.0
+    assert "straggler" not in [f.id for f in d.findings]
+    # the waiting is not lost: exposed communication counts it, once
+    comm = next(x for x in d.checks if x.id == "exposed_communication")
+    jitter = comm.finding.metrics["includes_arrival_jitter_ms_per_step"]
+    # rank 0 waits 4 x 2 ms over 6 steps, rank 1 2 x 2 ms: the median rank 1.0 ms per step
+    assert jitter == pytest.approx(1.0, abs=0.01) and comm.measured_ms >= jitter
