@@ -20,6 +20,7 @@ ru_maxrss and its largest worker's).
 
     python benchmarks/bench_ingest.py                  # 200 MB, 200 MB few steps, 8 x 50 MB
     python benchmarks/bench_ingest.py --quick          # 40 MB, 40 MB, 4 x 20 MB (under 2 minutes)
+    python benchmarks/bench_ingest.py --sweep 2,8,32 --sweep-only   # memory against the rank count
 """
 from __future__ import annotations
 
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, help="build here and keep (default: a temporary directory, removed)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (interleaved); the fastest is "
                     "reported")
+    ap.add_argument("--sweep", default="", help="also: rank counts (e.g. 2,8,32) of --sweep-mb MB each, to show "
+                    "that diagnose's parent memory does not grow with the rank count")
+    ap.add_argument("--sweep-mb", type=float, default=6)
+    ap.add_argument("--sweep-only", action="store_true", help="run only the rank sweep")
     ap.add_argument("--no-hta", action="store_true")
     ap.add_argument("--hta-timeout", type=float, default=600)
     ap.add_argument("--measure", help=argparse.SUPPRESS)
@@ -267,11 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     base = a.dir or Path(tempfile.mkdtemp(prefix="bench_ingest_"))
     try:
         t = time.perf_counter()
-        scen = build_scenarios(base, a.source, a.big_mb, a.few_steps, a.ranks, a.rank_mb)
+        scen = {} if a.sweep_only else build_scenarios(base, a.source, a.big_mb, a.few_steps, a.ranks, a.rank_mb)
+        sweep = build_sweep(base, a.source, [int(x) for x in a.sweep.split(",") if x], a.sweep_mb)
         print(f"built traces in {time.perf_counter() - t:.0f} s under {base} ({cores} cores)\n")
         base_rss = run_child("baseline", str(base), 1, 120)
         print(f"baseline: the interpreter with diagnose imported (numpy, pandas) peaks at "
               f"{base_rss.get('peak_mb', float('nan')):.0f} MB before reading anything\n")
+        if sweep:
+            _print_sweep(sweep, base_rss.get("peak_mb", float("nan")), a.repeat)
         with_hta = not a.no_hta and hta_available()
         if not with_hta and not a.no_hta:
             print("HTA not installed: pip install traceinsight\n")
@@ -297,6 +305,41 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if a.dir is None:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def build_sweep(out: Path, source: Path, counts: list[int], mb: float) -> dict[int, str]:
+    """One directory of `n` ranks of `mb` MB each per count (reused when already built)."""
+    if not counts:
+        return {}
+    meta, events = load_source(source)
+    dirs = {}
+    for n in counts:
+        d = out / f"sweep_{n}x{mb:g}MB"
+        if not (d / "done").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+            for r in range(n):
+                build_trace(d / f"rank{r}.pt.trace.json.gz", meta, events, mb, rank=r, world=n, few_steps=None,
+                            jitter=r * 3.0)
+            (d / "done").write_text("")
+        dirs[n] = str(d)
+    return dirs
+
+
+def _print_sweep(sweep: dict[int, str], baseline_mb: float, repeat: int) -> None:
+    print("rank sweep: diagnose analyze's peak memory against the rank count "
+          f"(baseline {baseline_mb:.0f} MB = the interpreter with diagnose imported)")
+    workers = min(os.cpu_count() or 1, 2)
+    for n, d in sweep.items():
+        runs = [run_child("diagnose", d, workers, 1800) for _ in range(repeat)]
+        ok = [r for r in runs if r and "error" not in r]
+        if not ok:
+            print(f"  {n:4d} ranks: {(runs[0] or {}).get('error', 'failed')}")
+            continue
+        r = min(ok, key=lambda x: x["wall_s"])
+        print(f"  {n:4d} ranks: {r['wall_s']:6.2f} s, parent peak {r['peak_mb']:5.0f} MB "
+              f"({r['peak_mb'] - baseline_mb:+5.0f} MB over the baseline), largest worker {r['worker_peak_mb']:5.0f} MB")
+    print()
 
 
 def _fmt(r: dict | None, floor: dict | None, biggest: float) -> str:

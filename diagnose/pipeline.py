@@ -12,7 +12,7 @@ from diagnose.context import Context, build_context
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
-from diagnose.run import Run, load_run
+from diagnose.run import Progress, Run, load_run
 from diagnose.thresholds import DEFAULT, Thresholds
 
 
@@ -143,8 +143,8 @@ def _lateness_extra(ctx: Context) -> dict:
 
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                   jobs: int | None = None) -> Diagnosis:
-    run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank)
+                   jobs: int | None = None, progress: Progress | None = None) -> Diagnosis:
+    run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress)
     probes = load_probe_data(paths)
     for p in probes.values():
         run.warnings.extend(p.warnings)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,17 +131,32 @@ def _size(f: Path) -> int:
     return size * GZIP_RATIO if f.name.endswith(".gz") else size
 
 
-def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Reduce | None = None) -> list[Loaded]:
+Progress = Callable[[int, int, str], None]
+"""(files done, files in all, the name of the one just done): for a progress line."""
+
+
+def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Reduce | None = None,
+               progress: Progress | None = None) -> list[Loaded]:
     total = sum(_size(f) for f in files)
     work = [(str(f), max_bytes, reduce) for f in files]
     workers = min(jobs or os.cpu_count() or 1, len(files))
+    tell = progress or (lambda done, n, name: None)
     if workers > 1 and total >= PARALLEL_MIN_BYTES:
         try:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                return list(pool.map(_load_one, work))
+                futures = {pool.submit(_load_one, w): i for i, w in enumerate(work)}
+                out: list[Loaded | None] = [None] * len(work)
+                for done, fut in enumerate(as_completed(futures), 1):
+                    out[futures[fut]] = fut.result()
+                    tell(done, len(work), Path(work[futures[fut]][0]).name)
+                return [x for x in out if x is not None]
         except (OSError, BrokenProcessPool):
             pass  # no processes to be had (sandbox, limits, a worker killed): read here instead
-    return [_load_one(w) for w in work]
+    out_serial = []
+    for done, w in enumerate(work, 1):
+        out_serial.append(_load_one(w))
+        tell(done, len(work), Path(w[0]).name)
+    return out_serial
 
 
 def _assign_ranks(traces: list[RankTrace], warnings: list[str]) -> dict[int, RankTrace]:
@@ -242,10 +257,10 @@ def _check_overlap(by_rank: dict[int, RankTrace]) -> None:
 
 
 def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, jobs: int | None = None,
-             reduce: Reduce | None = None) -> Run:
+             reduce: Reduce | None = None, progress: Progress | None = None) -> Run:
     """reduce: each check's per-rank phase (analyzers.reduce_rank); without it every event is kept."""
     files = discover_traces(paths)
-    loaded = load_files(files, max_bytes, jobs, reduce)
+    loaded = load_files(files, max_bytes, jobs, reduce, progress)
     errors = [x.error for x in loaded if x.error]
     ok = [x for x in loaded if x.trace is not None and x.timeline is not None]
     if not ok:

@@ -95,3 +95,19 @@ def test_analyze_does_not_import_torch(tmp_path):
     code = ("import sys; from diagnose.cli import main; from diagnose.pipeline import diagnose_paths; "
             f"diagnose_paths([{str(shared('edge_hta_ddp_world1_v100'))!r}]); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_progress_line_only_after_a_while_and_cleared(capsys):
+    from diagnose.cli import ProgressLine
+
+    quiet = ProgressLine(after_s=60)
+    quiet(1, 8, "rank0.json")
+    quiet.close()
+    assert capsys.readouterr().err == ""
+    p = ProgressLine(after_s=0)
+    p(3, 8, "rank\n2.json")  # a hostile file name stays on the line
+    p.close()
+    err = capsys.readouterr().err
+    # click drops the erase-line escape when stderr is not a terminal, as here
+    assert "reading traces: 3/8 ranks" in err and "rank\\n2.json" in err and err.endswith(("\r", "\r\x1b[K"))
+    assert "\n" not in err

@@ -335,3 +335,19 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
         # kept rows are the same events as in the full table (evidence cites rows by label)
         pd.testing.assert_frame_equal(kept[["ts", "dur"]], full.traces[r].events.loc[kept.index, ["ts", "dur"]])
         assert set(run.facts[r]) == {e.name for e in CHECKLIST if e.reduce}
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_load_progress_counts_every_file_once(tmp_path, monkeypatch, parallel):
+    import diagnose.run as run_mod
+
+    for r in range(3):
+        write(tmp_path, f"rank{r}.json", steps_trace(4, rank=r, world=3))
+    if parallel:
+        monkeypatch.setattr(run_mod, "PARALLEL_MIN_BYTES", 0)
+    calls = []
+    loaded = load_files(sorted(tmp_path.iterdir()), 1 << 30, jobs=2 if parallel else 1,
+                        progress=lambda done, n, name: calls.append((done, n, name)))
+    assert [c[0] for c in calls] == [1, 2, 3] and {c[1] for c in calls} == {3}
+    assert sorted(c[2] for c in calls) == ["rank0.json", "rank1.json", "rank2.json"]
+    assert [x.path.name for x in loaded] == ["rank0.json", "rank1.json", "rank2.json"]  # input order kept
