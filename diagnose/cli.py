@@ -175,6 +175,36 @@ def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> No
 
 @main.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--timeout", "timeout_s", default=20.0, show_default=True,
+              help="Seconds to wait for every rank's Flight Recorder dump.")
+def hang(run_dir: Path, timeout_s: float) -> None:
+    """Which rank is a HUNG job waiting for? Reads every rank's Flight Recorder (JSON only).
+
+    RUN_DIR: a running job started with `diagnose run` (its ranks are asked for dumps), or a
+    folder of rank{R}.fr.json dumps collected earlier.
+    """
+    from diagnose.hang import analyze_hang, read_dumps, render_hang, request_dumps, wait_for_dumps
+    from diagnose.oncall import expected_ranks, live_tails, probe_dir
+
+    try:
+        if run_dir.is_dir() and any(run_dir.glob("rank*.fr.json")):
+            dumps, expected = read_dumps(run_dir), []
+        else:
+            pdir = probe_dir(run_dir)
+            expected = expected_ranks(pdir, set(live_tails(pdir)))
+            hid = request_dumps(pdir)
+            click.echo(f"hang {hid}: asked {len(expected) or 'every'} rank(s) for their Flight Recorder; "
+                       f"waiting up to {timeout_s:.0f} s", err=True)
+            dumps = wait_for_dumps(pdir / f"hang-{hid}", expected, timeout_s)
+    except DiagnoseError as exc:
+        fail(str(exc))
+    if not dumps:
+        fail(f"{run_dir}: no rank answered within {timeout_s:.0f} s (is the job running under `diagnose run`?)")
+    click.echo(render_hang(analyze_hang(dumps, expected)))
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--interval", default=3.0, show_default=True, help="Seconds between refreshes.")
 @click.option("--window", default=20, show_default=True, help="Steps per rank the view summarises.")
 @click.option("--once", is_flag=True, help="Print one view and exit.")

@@ -23,6 +23,18 @@ def bootstrap_dir() -> Path:
     return Path(probes.__file__).resolve().parent / "bootstrap"
 
 
+FLIGHT_RECORDER_ENV = {
+    # torch.distributed's Flight Recorder, a ring of each rank's last collectives, for `diagnose hang`;
+    # it must be on before the process group starts
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    # without the Python stack it records per collective: the stack is the recorder's whole cost
+    # (benchmarks/bench_flight_recorder.py, 6 pairs: median x1.24 per gloo all-reduce with torch's
+    # default stack capture, x0.92 and x0.98 without, i.e. within this machine's noise)
+    # and the JSON dump `diagnose hang` reads does not carry it
+    "TORCH_INCLUDE_STACK_TRACE": "0",
+}
+
+
 def probe_env(traces: Path, schedule: str, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     boot = str(bootstrap_dir())
@@ -32,6 +44,8 @@ def probe_env(traces: Path, schedule: str, base: dict | None = None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env["DIAGNOSE_PROBE_DIR"] = str(traces.resolve())
     env["DIAGNOSE_PROBE_SCHEDULE"] = schedule
+    for k, v in FLIGHT_RECORDER_ENV.items():  # a job's own settings win
+        env.setdefault(k, v)
     return env
 
 

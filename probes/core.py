@@ -88,6 +88,7 @@ class Probe:
         self._traces_written = 0
         self._sched_steps = 0
         self._capture = None
+        self._hang = None
         self.max_log_bytes = _env_mb("DIAGNOSE_PROBE_MAX_LOG_MB", 64)
         self.meta: dict = {}
         self._summary = {"steps": 0, "dataloader_ms": 0.0, "comm_ms": 0.0, "step_ms": 0.0}
@@ -178,6 +179,8 @@ class Probe:
             self._fail("step log", exc)
         self._profiler_step()
         self.step += 1
+        if self.step == 1:
+            self._start_hang_watch()
         self._poll_capture()
         self._dl_ms = 0.0
         self._comm_ms = 0.0
@@ -195,6 +198,18 @@ class Probe:
             self._capture.poll(self.step)
         except Exception as exc:  # noqa: BLE001
             self._fail("capture", exc)
+
+    def _start_hang_watch(self) -> None:
+        """From the first step on (the process group exists by then): answer `diagnose hang`."""
+        if not self.ok("hang watch"):
+            return
+        try:
+            from probes.hang import HangWatcher
+
+            self._hang = HangWatcher(self.out_dir, self.rank, lambda exc: self._fail("hang watch", exc))
+            self._hang.start()
+        except Exception as exc:  # noqa: BLE001
+            self._fail("hang watch", exc)
 
     def profiler_busy(self) -> bool:
         return self._profiler is not None
@@ -279,6 +294,8 @@ class Probe:
             self._fail("trace export", exc)
 
     def close(self) -> None:
+        if self._hang is not None:
+            self._hang.stop()
         if self._capture is not None:
             try:
                 self._capture.close()

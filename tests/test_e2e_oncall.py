@@ -47,7 +47,7 @@ def profiler_steps(path):
 
 
 def test_capture_a_running_job(tmp_path):
-    steps = 100
+    steps = 350  # about a minute at ~160 ms per step (the straggler sleeps 50 ms of them)
     job = start_job(tmp_path, "--pathology", "straggler", "--steps", str(steps))
     try:
         wait_for_steps(tmp_path, 5)
@@ -107,3 +107,30 @@ def test_watch_renders_recorded_light_mode_files(tmp_path):
     assert "straggler: rank 1" in text and "provisional" in text
     res = cli("watch", str(tmp_path), "--once")
     assert res.returncode == 0 and "straggler: rank 1" in res.stdout
+
+
+def test_hang_names_the_rank_that_did_not_enter_the_collective(tmp_path):
+    # DDP: rank 1 sleeps before step 12's forward, so rank 0 waits inside the all-reduce of step 12
+    job = start_job(tmp_path, "--steps", "400", "--batch-size", "32",
+                    "--stall-rank", "1", "--stall-at-step", "12", "--stall-s", "45")
+    try:
+        wait_for_steps(tmp_path, 12)
+        time.sleep(2)  # rank 0 is now blocked in the collective, rank 1 asleep before it
+        t = time.monotonic()
+        res = cli("hang", str(tmp_path), "--timeout", "20")
+        assert time.monotonic() - t < 30
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.startswith("HANG HINT: rank(s) 1 did not enter"), res.stdout
+        assert "rank(s) 0 entered collective #" in res.stdout and "rank 1: last entered #" in res.stdout
+        dumps = list((tmp_path / "traces").glob("hang-*/rank*.fr.json"))
+        assert sorted(p.name for p in dumps) == ["rank0.fr.json", "rank1.fr.json"]
+        # the same dumps, read offline, give the same verdict
+        offline = cli("hang", str(dumps[0].parent))
+        assert offline.stdout.splitlines()[0] == res.stdout.splitlines()[0]
+    finally:
+        os.killpg(job.pid, 15)
+        try:
+            job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, 9)
+            job.communicate()

@@ -8,8 +8,8 @@ from diagnose.errors import DiagnoseError
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 # Our own outputs and sidecars live beside traces; they are not traces.
-OWN_OUTPUTS = re.compile(r"(^diagnosis\.json$|^scaling\.json$|^diff\.json$|^capture\.json$|\.probe\.json$|"
-                         r"\.capture\.json$|\.probe\.jsonl$)")
+OWN_OUTPUTS = re.compile(r"(^diagnosis\.json$|^scaling\.json$|^diff\.json$|^capture\.json$|^hang\.json$|"
+                         r"\.probe\.json$|\.capture\.json$|\.probe\.jsonl$|\.fr\.json$)")
 _RANK_IN_NAME = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
 
 
