@@ -72,8 +72,11 @@ def read_dump(path: Path) -> dict:
     except orjson.JSONDecodeError:
         raise DiagnoseError("not JSON (Flight Recorder dumps are read in their JSON form only; a pickle "
                             "dump is never unpickled)", path) from None
-    if not isinstance(doc, dict) or not (isinstance(doc.get("entries"), list) or "diagnose_error" in doc):
-        raise DiagnoseError("JSON but not a Flight Recorder dump (no entries list)", path)
+    # a recorder with nothing recorded yet writes no "entries" at all, only its version and configs
+    known = isinstance(doc, dict) and ("diagnose_error" in doc or isinstance(doc.get("entries"), list)
+                                       or ("version" in doc and "pg_config" in doc))
+    if not known or not isinstance(doc.get("entries", []), list):
+        raise DiagnoseError("JSON but not a Flight Recorder dump (no entries, version or pg_config)", path)
     return doc
 
 
@@ -161,7 +164,7 @@ def read_dumps(directory: Path) -> dict[int, dict]:
 def request_dumps(pdir: Path) -> str:
     hid = uuid.uuid4().hex[:12]
     tmp = pdir / f".{CONTROL}.{hid}"
-    tmp.write_text(json.dumps({"id": hid}))
+    tmp.write_text(json.dumps({"id": hid, "time": time.time()}))  # the probes ignore stale requests
     os.replace(tmp, pdir / CONTROL)
     return hid
 

@@ -1,8 +1,9 @@
 """Hang hints: dump torch.distributed's Flight Recorder when asked, even while the rank is stuck.
 
-`diagnose hang RUN_DIR` writes `hang.json` ({"id"}) into the probe directory. A daemon thread
-in each rank checks for it once a second (one `os.stat`) and writes
-`hang-{id}/rank{R}.fr.json`: the Flight Recorder's JSON dump (never pickle), or
+`diagnose hang RUN_DIR` writes `hang.json` ({"id", "time"}; one older than 2 minutes is left over
+from an earlier run and ignored) into the probe directory. A daemon thread in each rank checks for
+it once a second (one `os.stat`) and writes `hang-{id}/rank{R}.fr.json`: the Flight Recorder's
+JSON dump (never pickle), or
 `{"diagnose_error": reason}` when there is none. A rank waiting in a collective, or sleeping,
 has released the GIL, so the thread runs while the training thread is stuck; it takes no lock
 the training loop takes. The Flight Recorder records only if TORCH_FR_BUFFER_SIZE is set before
@@ -14,10 +15,12 @@ import json
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 CONTROL = "hang.json"
 POLL_S = 1.0
+STALE_S = 120.0
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -79,6 +82,9 @@ class HangWatcher:
         hid = req.get("id") if isinstance(req, dict) else None
         if not isinstance(hid, str) or not _ID.match(hid) or hid in self._done:
             return
+        asked = req.get("time")
+        if not isinstance(asked, (int, float)) or time.time() - asked > STALE_S:
+            return  # left by an earlier run in this directory: nobody is waiting for it
         self._done.add(hid)
         try:
             body = flight_recorder_json()

@@ -73,3 +73,24 @@ def test_hostile_names_stay_on_one_line():
     rep = analyze_hang({0: dump(entry(2, "x\n\x1b[31mred")), 1: dump(entry(1))}, expected=[0, 1])
     text = render_hang(rep, now_ns=2_000_000_000)
     assert "\x1b" not in text and "(x\\n\\x1b[31mred)" in text and len(text.splitlines()) == 4
+
+
+def test_probe_answers_a_fresh_request_once_and_ignores_a_stale_one(tmp_path):
+    import time
+
+    from probes.hang import HangWatcher
+
+    errors = []
+    w = HangWatcher(tmp_path, rank=3, on_error=errors.append)
+    (tmp_path / "hang.json").write_text(json.dumps({"id": "old", "time": time.time() - 3600}))
+    w.poll()
+    assert not list(tmp_path.glob("hang-*"))
+    (tmp_path / "hang.json").write_text(json.dumps({"id": "abc", "time": time.time()}))
+    w._mtime = None  # the file system's mtime may not tick within one test
+    w.poll()
+    body = json.loads((tmp_path / "hang-abc" / "rank3.fr.json").read_text())
+    # this process has no process group: an empty recorder (no entries key at all) or why there is none
+    assert "version" in body or "diagnose_error" in body
+    dump_file = tmp_path / "hang-abc" / "rank3.fr.json"
+    assert analyze_hang({3: read_dump(dump_file)}, expected=[3]).suspects == []
+    assert errors == []
