@@ -143,6 +143,9 @@ class EventTable:
             raw = self._pass(events)
         except TypeError:  # an unhashable category/tid/pid (hostile input): make them hashable, once
             raw = self._pass([_hashable(e) for e in events])
+        self._append(raw)
+
+    def _append(self, raw: tuple) -> None:
         part = _validate(*raw[:-1])
         self.dropped += raw[-1] + (len(raw[2]) - len(part.ts))
         if len(part.ts):
@@ -159,13 +162,7 @@ class EventTable:
             evs = _DECODER.decode(data)
         except (msgspec.DecodeError, RecursionError, TooDeep):  # ValidationError is a DecodeError
             return None
-        raw = self._pass_typed(evs)
-        part = _validate(*raw[:-1])
-        self.dropped += raw[-1] + (len(raw[2]) - len(part.ts))
-        if len(part.ts):
-            self.last_ts = float(part.ts[-1])
-            self.rows += len(part.ts)
-            self._parts.append(part)
+        self._append(self._pass_typed(evs))
         return len(evs)
 
     def _new_name(self, name: str) -> int:
@@ -259,7 +256,11 @@ class EventTable:
 
     def _pass_typed(self, events: list) -> tuple:
         """`_pass` over decoded structs: the same rules, attribute reads instead of dict lookups.
-        The decoder already guarantees the types `_pass` checks (str name, numeric ts/dur)."""
+        The decoder already guarantees the types `_pass` checks (str name, numeric ts/dur).
+
+        A second copy of the loop on purpose: one loop over both kinds would need an accessor call
+        per field and event, which costs more than the typed decode saves. The tests hold the two
+        to the same table (test_typed_fast_path_*)."""
         names, tids, pids = self._names, self._tids, self._pids
         comm, needs = self._comm, self._needs_args
         cat_code = _CAT_CODE
