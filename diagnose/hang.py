@@ -174,6 +174,6 @@ def wait_for_dumps(directory: Path, expected: list[int], timeout_s: float, poll_
     while True:
         have = {int(m.group(1)) for p in directory.glob("rank*.fr.json") if (m := _RANK.search(p.name))} \
             if directory.exists() else set()
-        if set(expected) <= have or time.monotonic() >= deadline:
+        if (have and set(expected) <= have) or time.monotonic() >= deadline:
             return read_dumps(directory) if directory.exists() else {}
         time.sleep(poll_s)

@@ -293,25 +293,22 @@ class Probe:
         except Exception as exc:  # noqa: BLE001
             self._fail("trace export", exc)
 
+    def _quietly(self, part: str, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
+            self._fail(part, exc)
+
     def close(self) -> None:
         if self._hang is not None:
             self._hang.stop()
         if self._capture is not None:
-            try:
-                self._capture.close()
-            except Exception as exc:  # noqa: BLE001
-                self._fail("capture", exc)
+            self._quietly("capture", self._capture.close)
         if self._profiler is not None:
-            try:
-                self._profiler.stop()
-            except Exception as exc:  # noqa: BLE001
-                self._fail("profiler", exc)
+            self._quietly("profiler", self._profiler.stop)
             self._profiler = None
         if self._steps_file is not None:
-            try:
-                self._steps_file.close()
-            except Exception as exc:  # noqa: BLE001
-                self._fail("step log", exc)
+            self._quietly("step log", self._steps_file.close)
             self._steps_file = None
         self.write_sidecar(final=True)
 

@@ -43,9 +43,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     wait = ctx.per_rank_mean("straggler_wait_ms")
     late = late_rank(ctx, th)
     jitter = late is not None and not late.beyond_chance(th)
+    wait_ms = float(np.median(wait.to_numpy()))
     if jitter:  # no straggler to fix: waiting for whoever came last is part of communicating
         exposed = exposed + wait
-        wait = wait * 0.0
     ms = float(np.median(exposed.to_numpy()))
     share = ms / ctx.mean_step_ms
     totals, counts, sizes = {}, [], []
@@ -56,7 +56,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
             counts.append(c.groupby("step").size().mean())
             sizes += list(c["bytes"].dropna())
     total_ms = float(np.median(list(totals.values())))
-    hidden = max(total_ms - ms - float(np.median(wait.to_numpy())), 0.0)
+    hidden = max(total_ms - ms - (0.0 if jitter else wait_ms), 0.0)
     per_step = float(np.median(counts)) if counts else 0.0
     median_bytes = float(np.median(sizes)) if sizes else float("nan")
     tiny = per_step >= MANY_COLLECTIVES and (not sizes or median_bytes < SMALL_BYTES)
@@ -69,8 +69,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         "share_of_step": round(share, 4),
     }
     if jitter:
-        metrics["includes_arrival_jitter_ms_per_step"] = round(float(np.median(
-            ctx.per_rank_mean("straggler_wait_ms").to_numpy())), 3)
+        metrics["includes_arrival_jitter_ms_per_step"] = round(wait_ms, 3)
     for r in exposed.index:
         metrics[f"rank{r}_exposed_comm_ms"] = round(float(exposed[r]), 3)
     if run.is_gpu:

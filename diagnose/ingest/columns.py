@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from diagnose.ingest.jsonsafe import TooDeep, check_depth, clean, clean_str
+from diagnose.ingest.jsonsafe import clean, clean_str
 
 KIND_KERNEL = "kernel"
 KIND_COMM_KERNEL = "comm_kernel"
@@ -156,11 +156,11 @@ class EventTable:
     def add_raw(self, chunk: bytes) -> int | None:
         """Decode a chunk of comma-separated events on the typed path and add them: how many
         were read, or None (nothing added) when the chunk needs the generic path."""
-        data = b"[" + chunk + b"]"
         try:
-            check_depth(data)
-            evs = _DECODER.decode(data)
-        except (msgspec.DecodeError, RecursionError, TooDeep):  # ValidationError is a DecodeError
+            evs = _DECODER.decode(b"[" + chunk + b"]")
+        # ValidationError is a DecodeError; msgspec guards its own recursion (RecursionError, no
+        # crash), so the depth scan orjson needs is left to the generic path
+        except (msgspec.DecodeError, RecursionError):
             return None
         self._append(self._pass_typed(evs))
         return len(evs)
