@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diagnose.analyzers import launch
 from diagnose.analyzers.common import confidence_for, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
@@ -242,8 +243,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                 if m.headroom is not None else f"peak {human(m.peak_allocated)} allocated (device size unknown)")
         return [Check(id=ID, title=TITLE, status="passed", finding=f,
                       reason=f"{room}; {model_txt}, activations {human(m.activations)}")]
-    from diagnose.analyzers import launch
-
+    # launch_overhead's verdict, from the same per-rank summaries (only when memory is tight)
     small_batch = any(c.status == "flagged" for c in launch.analyze(ctx, th))
     reason = (f"out of memory at step {ctx.probes[m.rank].meta['oom'].get('step')}" if m.oom else
               f"memory is tight: peak {human(m.peak_reserved)} reserved of {human(m.total)} "
