@@ -1,6 +1,6 @@
 """What torch.distributed's Flight Recorder (on under `diagnose run`, for `diagnose hang`) costs
 per collective: a 2-rank gloo job times 3,000 all-reduces of 4 KB without it and with it as
-`diagnose run` sets it (diagnose.launch.FLIGHT_RECORDER_ENV), runs interleaved, and prints the
+`diagnose run --flight-recorder` sets it (diagnose.launch.FLIGHT_RECORDER_ENV), runs interleaved, and prints the
 per-op times and their ratios. `--env TORCH_INCLUDE_STACK_TRACE=1` measures torch's default
 (a Python stack recorded per collective).
 
@@ -70,7 +70,7 @@ def main() -> int:
             off.append(run(script, False))
             on.append(run(script, True))
     print(f"without Flight Recorder: {', '.join(f'{x:.0f}' for x in off)} us per all-reduce")
-    print(f"with it as diagnose run sets it{' + ' + ' '.join(a.env) if a.env else ''}: "
+    print(f"with it as diagnose run --flight-recorder sets it{' + ' + ' '.join(a.env) if a.env else ''}: "
           f"{', '.join(f'{x:.0f}' for x in on)} us per all-reduce")
     ratios = sorted(b / a for a, b in zip(off, on))
     print(f"ratio (best of each): x{min(on) / min(off):.3f}; per interleaved pair: "

@@ -122,8 +122,12 @@ def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: in
               help="Run directory: traces/ (per-rank traces and sidecars), diagnosis.json, report.html.")
 @click.option("--schedule", default="2,2,5", show_default=True,
               help="Profiler schedule wait,warmup,active[,repeat] in steps; 'off' for timings only.")
+@click.option("--flight-recorder", is_flag=True,
+              help="Turn on torch.distributed's Flight Recorder so that `diagnose hang` can name a stuck rank "
+                   "(TORCH_FR_BUFFER_SIZE=2000; off by default: torch 2.13 with it aborted a gloo job at exit "
+                   "in 1 of 8 runs here).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(out: Path, schedule: str, command: tuple[str, ...]) -> None:
+def run(out: Path, schedule: str, flight_recorder: bool, command: tuple[str, ...]) -> None:
     """Run an unmodified training command with the probes, then diagnose it.
 
     \b
@@ -134,7 +138,7 @@ def run(out: Path, schedule: str, command: tuple[str, ...]) -> None:
     """
     from diagnose.launch import run_with_probes
 
-    code = run_with_probes(list(command), out, schedule)
+    code = run_with_probes(list(command), out, schedule, flight_recorder=flight_recorder)
     sys.exit(code)
 
 

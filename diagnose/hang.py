@@ -142,13 +142,13 @@ def render_hang(rep: HangReport, now_ns: int | None = None) -> str:
                      "outside collectives; check the job's logs and the interconnect.")
     else:
         lines.append("HANG HINT: no collective recorded by the Flight Recorder on any rank that answered (it records "
-                     "only if TORCH_FR_BUFFER_SIZE is set before the process group starts; diagnose run sets it)")
+                     "only if TORCH_FR_BUFFER_SIZE is set before the process group starts: diagnose run --flight-recorder)")
     if rep.no_dump:
         lines.append(f"  no dump from rank(s) {', '.join(map(str, rep.no_dump))}: stuck holding the GIL (a C "
                      "extension, a busy loop) or gone; they are suspects too")
     for r, why in sorted(rep.unavailable.items()):
         lines.append(f"  rank {r}: no Flight Recorder ({why}); set TORCH_FR_BUFFER_SIZE=2000 before the process "
-                     "group starts (diagnose run does)")
+                     "group starts (diagnose run --flight-recorder does)")
     return "\n".join(lines)
 
 

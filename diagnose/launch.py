@@ -25,7 +25,10 @@ def bootstrap_dir() -> Path:
 
 FLIGHT_RECORDER_ENV = {
     # torch.distributed's Flight Recorder, a ring of each rank's last collectives, for `diagnose hang`;
-    # it must be on before the process group starts
+    # it must be on before the process group starts. Off unless asked (`diagnose run
+    # --flight-recorder`): with it, a 2-rank gloo job of examples/train_ddp.py aborted at exit
+    # ("terminate called without an active exception", exit -6) in 1 of 8 runs here and once in CI;
+    # 0 of 12 without. A probe must never crash the job it watches.
     "TORCH_FR_BUFFER_SIZE": "2000",
     # without the Python stack it records per collective: the stack is the recorder's whole cost
     # (benchmarks/bench_flight_recorder.py, 6 pairs: median x1.24 per gloo all-reduce with torch's
@@ -35,7 +38,7 @@ FLIGHT_RECORDER_ENV = {
 }
 
 
-def probe_env(traces: Path, schedule: str, base: dict | None = None) -> dict:
+def probe_env(traces: Path, schedule: str, base: dict | None = None, flight_recorder: bool = False) -> dict:
     env = dict(os.environ if base is None else base)
     boot = str(bootstrap_dir())
     # the probes package itself must be importable from the job, wherever it runs from
@@ -44,16 +47,18 @@ def probe_env(traces: Path, schedule: str, base: dict | None = None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env["DIAGNOSE_PROBE_DIR"] = str(traces.resolve())
     env["DIAGNOSE_PROBE_SCHEDULE"] = schedule
-    for k, v in FLIGHT_RECORDER_ENV.items():  # a job's own settings win
-        env.setdefault(k, v)
+    if flight_recorder:
+        for k, v in FLIGHT_RECORDER_ENV.items():  # a job's own settings win
+            env.setdefault(k, v)
     return env
 
 
 def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: bool = False,
-                    echo: bool = True) -> int:
+                    echo: bool = True, flight_recorder: bool = False) -> int:
     """Run `command` under the probes, analyse what it wrote; return the command's exit code.
 
     quiet_job: keep the job's own output out of the terminal (the demo) unless it fails.
+    flight_recorder: turn on torch.distributed's Flight Recorder, for `diagnose hang`.
     """
     traces = out / "traces"
     try:
@@ -61,7 +66,7 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
     except OSError as exc:
         click.echo(f"diagnose: warning: cannot create {traces} ({exc.strerror}); running without probes", err=True)
         return subprocess.call(command)
-    env = probe_env(traces, schedule)
+    env = probe_env(traces, schedule, flight_recorder=flight_recorder)
     sink = subprocess.PIPE if quiet_job else None
     try:
         proc = subprocess.Popen(command, env=env, stdout=sink, stderr=sink, text=True)

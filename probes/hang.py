@@ -7,7 +7,7 @@ JSON dump (never pickle), or
 `{"diagnose_error": reason}` when there is none. A rank waiting in a collective, or sleeping,
 has released the GIL, so the thread runs while the training thread is stuck; it takes no lock
 the training loop takes. The Flight Recorder records only if TORCH_FR_BUFFER_SIZE is set before
-the process group starts: `diagnose run` sets it unless the job sets its own.
+the process group starts: `diagnose run --flight-recorder` sets it unless the job sets its own.
 """
 from __future__ import annotations
 

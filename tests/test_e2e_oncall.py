@@ -18,8 +18,8 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("torch")
 
 
-def start_job(out, *args, schedule="off"):
-    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", schedule, "--",
+def start_job(out, *args, schedule="off", run_flags=()):
+    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", schedule, *run_flags, "--",
            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            str(EXAMPLE), *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -112,7 +112,7 @@ def test_watch_renders_recorded_light_mode_files(tmp_path):
 def test_hang_names_the_rank_that_did_not_enter_the_collective(tmp_path):
     # DDP: rank 1 sleeps before step 12's forward, so rank 0 waits inside the all-reduce of step 12
     job = start_job(tmp_path, "--steps", "400", "--batch-size", "32",
-                    "--stall-rank", "1", "--stall-at-step", "12", "--stall-s", "45")
+                    "--stall-rank", "1", "--stall-at-step", "12", "--stall-s", "45", run_flags=["--flight-recorder"])
     try:
         wait_for_steps(tmp_path, 12)
         time.sleep(2)  # rank 0 is now blocked in the collective, rank 1 asleep before it

@@ -98,3 +98,13 @@ def test_probe_answers_a_fresh_request_once_and_ignores_a_stale_one(tmp_path):
     dump_file = tmp_path / "hang-abc" / "rank3.fr.json"
     assert analyze_hang({3: read_dump(dump_file)}, expected=[3]).suspects == []
     assert errors == []
+
+
+def test_flight_recorder_is_on_only_when_asked_and_the_jobs_own_setting_wins(tmp_path):
+    from diagnose.launch import probe_env
+
+    assert "TORCH_FR_BUFFER_SIZE" not in probe_env(tmp_path, "off", base={})
+    on = probe_env(tmp_path, "off", base={}, flight_recorder=True)
+    assert on["TORCH_FR_BUFFER_SIZE"] == "2000" and on["TORCH_INCLUDE_STACK_TRACE"] == "0"
+    own = probe_env(tmp_path, "off", base={"TORCH_FR_BUFFER_SIZE": "64"}, flight_recorder=True)
+    assert own["TORCH_FR_BUFFER_SIZE"] == "64"
