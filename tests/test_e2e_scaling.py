@@ -58,6 +58,14 @@ def test_what_if_predicts_the_step_time_after_the_fix(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_whatif import predict_and_measure
 
-    predicted, measured = predict_and_measure(tmp_path, "straggler", ["--pathology", "straggler"],
-                                              ["--pathology", "none"], 0)
-    assert abs(predicted - measured) / measured < 0.15, (predicted, measured)
+    # Two separate jobs on a shared 2-core machine: a noisy moment can slow either (seen in CI: the
+    # fixed run at 187 ms per step against its usual ~105). A wrong prediction would repeat, so one
+    # rerun: the prediction must hold on one of two tries.
+    tries = []
+    for attempt in range(2):
+        predicted, measured = predict_and_measure(tmp_path, "straggler", ["--pathology", "straggler"],
+                                                  ["--pathology", "none"], attempt)
+        tries.append((predicted, measured))
+        if abs(predicted - measured) / measured < 0.15:
+            return
+    pytest.fail(f"prediction off by more than 15% twice (predicted, measured ms per step): {tries}")
