@@ -53,8 +53,8 @@ def probe_cost_per_step_us(n: int = 5000) -> float:
     """In-process cost of one step's probe work: a timed batch fetch, two collectives, the step record."""
     import time
 
-    from probes.core import Probe, Schedule
-    from probes.patches import _TimedIter
+    from diagnose.probes.core import Probe, Schedule
+    from diagnose.probes.patches import _TimedIter
 
     with tempfile.TemporaryDirectory() as d:
         probe = Probe(d, 0, 2, Schedule(enabled=False))

@@ -32,10 +32,10 @@ def run(out: Path, args: list[str]) -> tuple[float, dict]:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            str(ROOT / "examples" / "train_ddp.py"), "--steps", "20", *args]
-    code = run_with_probes(cmd, out, "2,2,5", quiet_job=True, echo=False)
-    if code:
+    outcome = run_with_probes(cmd, out, "2,2,5", quiet_job=True, echo=False)
+    if outcome.code or outcome.run_dir is None:
         raise SystemExit(f"job failed: {' '.join(args)}")
-    point, _ = measure_point(2, out)
+    point, _ = measure_point(2, outcome.run_dir)
     return point.step_ms, point.causes_ms
 
 

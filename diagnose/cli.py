@@ -13,8 +13,32 @@ from diagnose.errors import DiagnoseError, one_line
 
 
 def fail(msg: str) -> None:
-    click.echo(f"diagnose: error: {msg}", err=True)
+    click.echo(f"diagnose: error: {one_line(msg)}", err=True)
     sys.exit(2)
+
+
+def note(msg: str) -> None:
+    click.echo(one_line(msg), err=True)
+
+
+def check_schedule(text: str) -> None:
+    """The profiler schedule, checked here with the probes' own parser: a bad one is one line and
+    exit 2 before any job starts, not a warning from every rank."""
+    from diagnose.probes.core import Schedule
+
+    try:
+        Schedule.parse(text)
+    except ValueError as exc:
+        fail(f"--schedule: {exc}")
+
+
+def refuse_finished(pdir: Path, what: str) -> None:
+    """`capture` and `hang` talk to a running job: a finished run (its lock released) is refused
+    at once instead of after the whole timeout."""
+    from diagnose.rundir import run_is_live, run_of
+
+    if run_is_live(pdir) is False:
+        fail(f"{run_of(pdir)}: the run has finished (no process holds its lock); {what}")
 
 
 @click.group()
@@ -81,7 +105,7 @@ def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs
         write_json(d, out)
         written = [out / "diagnosis.json"]
         try:
-            from reports.html import write_report
+            from diagnose.reports.html import write_report
         except ImportError:
             write_report = None
         if write_report is not None:
@@ -118,8 +142,9 @@ def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: in
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--out", "out", default="diagnosis", show_default=True, type=click.Path(path_type=Path),
-              help="Run directory: traces/ (per-rank traces and sidecars), diagnosis.json, report.html.")
+@click.option("--out", "out", default="runs", show_default=True, type=click.Path(path_type=Path),
+              help="Parent directory: each run writes into a fresh OUT/<YYYYmmdd-HHMMSS>/ holding traces/ "
+                   "(per-rank traces and sidecars), diagnosis.json, report.html.")
 @click.option("--schedule", default="2,2,5", show_default=True,
               help="Profiler schedule wait,warmup,active[,repeat] in steps; 'off' for timings only.")
 @click.option("--flight-recorder", is_flag=True,
@@ -134,12 +159,13 @@ def run(out: Path, schedule: str, flight_recorder: bool, command: tuple[str, ...
     diagnose run --out runs/exp1 -- torchrun --nproc_per_node=4 train.py --lr 0.1
     diagnose run -- python train.py
 
-    Exits with the training command's exit code.
+    Ctrl-C, SIGTERM and SIGHUP are passed on to the job, which is then analysed as far as it got.
+    Exits with the training command's exit code (128+N when a signal N ended it).
     """
     from diagnose.launch import run_with_probes
 
-    code = run_with_probes(list(command), out, schedule, flight_recorder=flight_recorder)
-    sys.exit(code)
+    check_schedule(schedule)
+    sys.exit(run_with_probes(list(command), out, schedule, flight_recorder=flight_recorder).code)
 
 
 @main.command()
@@ -154,16 +180,20 @@ def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> No
 
     Coordination is one control file in the run directory; the job gets no collective, no barrier.
     """
-    from diagnose.oncall import probe_dir, request_capture, wait_for_capture
+    from diagnose.oncall import check_capture_steps, probe_dir, request_capture, wait_for_capture
 
     try:
-        pdir = probe_dir(run_dir)
+        check_capture_steps(steps)
+        pdir = probe_dir(run_dir, note)
+        refuse_finished(pdir, "`capture` needs a running job (`diagnose analyze` reads what it wrote)")
         req = request_capture(pdir, steps)
     except DiagnoseError as exc:
         fail(str(exc))
     click.echo(f"capture {req.id}: steps {req.start_step}..{req.start_step + steps - 1} on every rank; "
                f"waiting up to {timeout_s:.0f} s", err=True)
     res = wait_for_capture(pdir, req, timeout_s)
+    for w in res.warnings:
+        note(f"diagnose: warning: {w}")
     for r in res.missing:
         click.echo(f"rank {r} did not reach step {req.start_step} within {timeout_s:.0f} s: analysing without it",
                    err=True)
@@ -194,8 +224,13 @@ def hang(run_dir: Path, timeout_s: float) -> None:
         if run_dir.is_dir() and any(run_dir.glob("rank*.fr.json")):
             dumps, expected = read_dumps(run_dir), []
         else:
-            pdir = probe_dir(run_dir)
-            expected = expected_ranks(pdir, set(live_tails(pdir)))
+            pdir = probe_dir(run_dir, note)
+            refuse_finished(pdir, "nothing of it can hang now (to read dumps collected earlier, pass their "
+                                  "folder: RUN_DIR/traces/hang-ID)")
+            warnings: list[str] = []
+            expected = expected_ranks(pdir, set(live_tails(pdir, warnings)), warnings)
+            for w in warnings:
+                note(f"diagnose: warning: {w}")
             hid = request_dumps(pdir)
             click.echo(f"hang {hid}: asked {len(expected) or 'every'} rank(s) for their Flight Recorder; "
                        f"waiting up to {timeout_s:.0f} s", err=True)
@@ -217,24 +252,28 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
     import time
 
     from diagnose.live import render, snapshot
-    from diagnose.oncall import probe_dir
+    from diagnose.oncall import probe_dir, run_is_live
 
     try:
-        pdir = probe_dir(run_dir)
+        pdir = probe_dir(run_dir, note)
+        while True:
+            text = render(snapshot(pdir, window))
+            finished = run_is_live(pdir) is False  # None: no lock file to tell (probes.watch() runs)
+            if once:
+                if finished:
+                    note(f"diagnose: {pdir}: the run has finished; its last steps:")
+                click.echo(text)
+                return
+            click.clear()
+            state = ", run finished" if finished else ""
+            click.echo(one_line(f"diagnose watch {run_dir}  (every {interval:g} s, Ctrl-C to stop{state})") + "\n")
+            click.echo(text)
+            try:
+                time.sleep(interval)
+            except KeyboardInterrupt:
+                return
     except DiagnoseError as exc:
         fail(str(exc))
-    while True:
-        text = render(snapshot(pdir, window))
-        if once:
-            click.echo(text)
-            return
-        click.clear()
-        click.echo(f"diagnose watch {run_dir}  (every {interval:g} s, Ctrl-C to stop)\n")
-        click.echo(text)
-        try:
-            time.sleep(interval)
-        except KeyboardInterrupt:
-            return
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -271,7 +310,8 @@ def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedu
         else:
             if not nproc or not command:
                 raise DiagnoseError("give --nproc N1,N2,... and the training command after --, or --runs N=DIR ...")
-            sizes = sorted({int(x) for x in nproc.split(",") if x.strip()})
+            sizes = _sizes(nproc)
+            check_schedule(schedule)
             if strong and not global_batch:
                 raise DiagnoseError("--strong with --nproc needs --global-batch (and --batch-flag)")
             dirs = _launch_sizes(list(command), sizes, out, schedule, strong, batch_flag, global_batch)
@@ -289,33 +329,30 @@ def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedu
 def _launch_sizes(command: list[str], sizes: list[int], out: Path, schedule: str, strong: bool,
                   batch_flag: str, global_batch: int | None) -> dict[int, Path]:
     """Run the user's script at each world size under the probes; returns {N: run dir}."""
-    from diagnose.launch import run_with_probes
+    from diagnose.launch import run_with_probes, script_args, with_batch
 
-    script = list(command)
-    if Path(script[0]).name.startswith("python"):
-        script = script[1:]
-    if script and Path(script[0]).name in ("torchrun",) or script[:2] == ["-m", "torch.distributed.run"]:
-        raise DiagnoseError("give the script command (python train.py ...); diagnose scale runs torchrun itself")
-    if script[:1] == ["-m"]:
-        script = ["--module", *script[1:]]
+    script = script_args(command)
     dirs = {}
     for n in sizes:
-        args = list(script)
-        if strong:
-            per_rank = max(1, global_batch // n)
-            if batch_flag in args:
-                args[args.index(batch_flag) + 1] = str(per_rank)
-            else:
-                args += [batch_flag, str(per_rank)]
+        args = with_batch(script, batch_flag, max(1, global_batch // n)) if strong and global_batch else script
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
                f"--master_port={_free_port()}", *args]
         click.echo(f"diagnose scale: N={n}: {' '.join(cmd)}", err=True)
-        run_dir = out / f"n{n}"
-        code = run_with_probes(cmd, run_dir, schedule, quiet_job=True, echo=False)
-        if code != 0:
-            raise DiagnoseError(f"the run at N={n} failed (exit {code})", run_dir)
-        dirs[n] = run_dir
+        outcome = run_with_probes(cmd, out / f"n{n}", schedule, quiet_job=True, echo=False)
+        if outcome.code != 0 or outcome.run_dir is None:
+            raise DiagnoseError(f"the run at N={n} failed (exit {outcome.code})", outcome.run_dir or out / f"n{n}")
+        dirs[n] = outcome.run_dir
     return dirs
+
+
+def _sizes(nproc: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in nproc.split(",") if x.strip()})
+    except ValueError:
+        raise DiagnoseError(f"--nproc {nproc!r}: expected world sizes like 1,2,4") from None
+    if not sizes or sizes[0] < 1:
+        raise DiagnoseError(f"--nproc {nproc!r}: world sizes must be >= 1")
+    return sizes
 
 
 def _free_port() -> int:
@@ -339,14 +376,16 @@ def demo(out: Path, pathology: str, nproc: int) -> None:
     if importlib.util.find_spec("torch") is None:
         fail("the demo runs a real training job and needs torch: pip install torch==2.13.0 (CPU) or see README")
     from diagnose.launch import run_with_probes
-    from examples import train_ddp
+    from diagnose.examples import train_ddp
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={_free_port()}", train_ddp.__file__, "--pathology", pathology]
-    click.echo(f"diagnose demo: {' '.join(cmd)}  (probes injected; output in {out}/)", err=True)
-    code = run_with_probes(cmd, out, "2,2,5", quiet_job=True)
-    if code != 0:
-        fail(f"the demo job failed (exit {code})")
+    click.echo(f"diagnose demo: {' '.join(cmd)}  (probes injected)", err=True)
+    outcome = run_with_probes(cmd, out, "2,2,5", quiet_job=True)
+    if outcome.code != 0:
+        fail(f"the demo job failed (exit {outcome.code})")
+    if not outcome.analysed:
+        sys.exit(1)  # the launcher said why in one line; a demo without a diagnosis did not work
     sys.exit(0)
 
 

@@ -212,7 +212,7 @@ def write_diff(diff: dict, out: Path) -> list[Path]:
     write_atomic(path, orjson.dumps(_clean(diff), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     written = [path]
     try:
-        from reports.diff import write_diff_report
+        from diagnose.reports.diff import write_diff_report
     except ImportError:
         return written
     written.append(write_diff_report(diff, out))

@@ -14,17 +14,16 @@ is untrusted input) from `rank{R}.fr.json` files: written by the probes on reque
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
-
 from diagnose.errors import DiagnoseError, one_line
+from diagnose.ingest import jsonsafe
+from diagnose.oncall import write_control
+from diagnose.probes.safefs import UnsafePath, read_regular
 
 CONTROL = "hang.json"
 MAX_DUMP_BYTES = 256 * 1024**2
@@ -62,22 +61,28 @@ class HangReport:
 
 
 def read_dump(path: Path) -> dict:
-    """One rank's dump; raises DiagnoseError naming the file."""
+    """One rank's dump; raises DiagnoseError naming the file (a FIFO, device, oversized file or
+    nesting bomb too: read non-blocking and bounded, parsed with a depth limit)."""
     try:
-        if path.stat().st_size > MAX_DUMP_BYTES:
-            raise DiagnoseError(f"larger than {MAX_DUMP_BYTES >> 20} MiB: not a Flight Recorder dump", path)
-        doc = orjson.loads(path.read_bytes())
+        doc = jsonsafe.loads(read_regular(path, MAX_DUMP_BYTES))
+    except UnsafePath as exc:
+        raise DiagnoseError(str(exc)) from None
     except OSError as exc:
         raise DiagnoseError(f"cannot read ({exc.strerror or exc})", path) from None
-    except orjson.JSONDecodeError:
-        raise DiagnoseError("not JSON (Flight Recorder dumps are read in their JSON form only; a pickle "
-                            "dump is never unpickled)", path) from None
+    except ValueError as exc:  # orjson's JSONDecodeError (its depth limit included) and TooDeep
+        raise DiagnoseError(f"not valid JSON ({exc}; Flight Recorder dumps are read in their JSON form only, a "
+                            "pickle dump is never unpickled)", path) from None
     # a recorder with nothing recorded yet writes no "entries" at all, only its version and configs
     known = isinstance(doc, dict) and ("diagnose_error" in doc or isinstance(doc.get("entries"), list)
                                        or ("version" in doc and "pg_config" in doc))
     if not known or not isinstance(doc.get("entries", []), list):
         raise DiagnoseError("JSON but not a Flight Recorder dump (no entries, version or pg_config)", path)
     return doc
+
+
+def _label(x) -> str | None:
+    """A scalar as text; None for containers (str() of a deeply nested value recurses)."""
+    return str(x) if isinstance(x, (str, int, float)) and not isinstance(x, bool) else None
 
 
 def _last_entered(doc: dict) -> dict[str, Entered]:
@@ -89,19 +94,20 @@ def _last_entered(doc: dict) -> dict[str, Entered]:
         if type(seq) is not int:
             continue
         if isinstance(pg, list):
-            pg = ":".join(str(x) for x in pg[:2])
-        key = one_line(str(pg if pg is not None else e.get("pg_id", "?")))[:80]
+            pg = ":".join(x for x in map(_label, pg[:2]) if x is not None)
+        key = one_line(_label(pg) or _label(e.get("pg_id")) or "?")[:80]
         t = e.get("time_created_ns")
         cur = last.get(key)
         if cur is None or seq > cur.seq:
-            last[key] = Entered(seq=seq, op=one_line(str(e.get("profiling_name", "?")))[:80],
+            last[key] = Entered(seq=seq, op=one_line(_label(e.get("profiling_name")) or "?")[:80],
                                 time_ns=t if type(t) is int else None)
     return last
 
 
 def analyze_hang(dumps: dict[int, dict], expected: list[int]) -> HangReport:
     """Pure: per process group, who is behind the others' last collective."""
-    unavailable = {r: one_line(str(d["diagnose_error"]))[:200] for r, d in dumps.items() if "diagnose_error" in d}
+    unavailable = {r: one_line(_label(d["diagnose_error"]) or "?")[:200] for r, d in dumps.items()
+                   if "diagnose_error" in d}
     per_rank = {r: _last_entered(d) for r, d in dumps.items() if r not in unavailable}
     groups: list[GroupState] = []
     for g in sorted({k for v in per_rank.values() for k in v}):
@@ -163,9 +169,7 @@ def read_dumps(directory: Path) -> dict[int, dict]:
 
 def request_dumps(pdir: Path) -> str:
     hid = uuid.uuid4().hex[:12]
-    tmp = pdir / f".{CONTROL}.{hid}"
-    tmp.write_text(json.dumps({"id": hid, "time": time.time()}))  # the probes ignore stale requests
-    os.replace(tmp, pdir / CONTROL)
+    write_control(pdir, CONTROL, {"id": hid, "time": time.time()})  # the probes ignore stale requests
     return hid
 
 
@@ -173,7 +177,7 @@ def wait_for_dumps(directory: Path, expected: list[int], timeout_s: float, poll_
     deadline = time.monotonic() + timeout_s
     while True:
         have = {int(m.group(1)) for p in directory.glob("rank*.fr.json") if (m := _RANK.search(p.name))} \
-            if directory.exists() else set()
+            if directory.is_dir() else set()
         if (have and set(expected) <= have) or time.monotonic() >= deadline:
-            return read_dumps(directory) if directory.exists() else {}
+            return read_dumps(directory) if directory.is_dir() else {}
         time.sleep(poll_s)

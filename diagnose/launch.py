@@ -4,23 +4,36 @@ The probes ride in through PYTHONPATH: `probes/bootstrap/sitecustomize.py` is
 imported by every Python process of the job (torchrun's workers included) and
 installs the hooks once the script imports torch. Nothing in the user's script
 changes. This module imports no torch itself.
+
+Each run writes into a fresh run directory (`diagnose.rundir`). The job runs in its own
+session, so a terminal's Ctrl-C reaches only the launcher, which forwards SIGINT, SIGTERM
+and SIGHUP to the job's whole process group, waits for it, then analyses what it wrote.
 """
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import click
 
-from diagnose.errors import DiagnoseError
+from diagnose.errors import DiagnoseError, one_line
+from diagnose.rundir import TRACES, RunLock, create_run_dir, sharing_warning
+
+
+def probes_dir() -> Path:
+    from diagnose import probes
+
+    return Path(probes.__file__).resolve().parent
 
 
 def bootstrap_dir() -> Path:
-    import probes
-
-    return Path(probes.__file__).resolve().parent / "bootstrap"
+    return probes_dir() / "bootstrap"
 
 
 FLIGHT_RECORDER_ENV = {
@@ -40,11 +53,11 @@ FLIGHT_RECORDER_ENV = {
 
 def probe_env(traces: Path, schedule: str, base: dict | None = None, flight_recorder: bool = False) -> dict:
     env = dict(os.environ if base is None else base)
-    boot = str(bootstrap_dir())
-    # the probes package itself must be importable from the job, wherever it runs from
-    pkg_root = str(bootstrap_dir().parent.parent)
-    parts = [boot, pkg_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # only the bootstrap directory (it holds sitecustomize.py alone) goes ahead of the user's path;
+    # it loads the probes by the absolute path below, so site-packages never moves forward
+    parts = [str(bootstrap_dir())] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["DIAGNOSE_PROBE_PKG"] = str(probes_dir())
     env["DIAGNOSE_PROBE_DIR"] = str(traces.resolve())
     env["DIAGNOSE_PROBE_SCHEDULE"] = schedule
     if flight_recorder:
@@ -53,39 +66,196 @@ def probe_env(traces: Path, schedule: str, base: dict | None = None, flight_reco
     return env
 
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GRACE_S = 10.0
+"""After a forwarded signal and the job leader's exit: how long the rest of its process group
+(torchrun's workers) gets to exit before it is killed, so that no job process is left behind."""
+QUIET_TAIL = 3000
+
+Status = Literal["analysed", "no_traces", "analysis_failed", "no_probes", "not_started"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    code: int
+    """The job's exit status as a shell reports it: 128+N for a death by signal N."""
+    run_dir: Path | None
+    """The fresh run directory; None when none could be made (the job then ran without probes)."""
+    status: Status
+
+    @property
+    def analysed(self) -> bool:
+        return self.status == "analysed"
+
+
+def exit_status(returncode: int) -> int:
+    """Popen's -N (killed by signal N) as 128+N: sys.exit(-9) would exit 247, not a shell's 137."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Forwarder:
+    """Signal handlers that pass SIGINT/SIGTERM/SIGHUP on to the job's process group.
+
+    Installed before the job starts (a signal in between is remembered and sent once it exists);
+    each signal is forwarded as it comes, so a second Ctrl-C forwards again."""
+
+    def __init__(self) -> None:
+        self.pgid: int | None = None
+        self.received: list[int] = []
+        self._prev: dict[int, object] = {}
+
+    def __enter__(self) -> _Forwarder:
+        if threading.current_thread() is threading.main_thread():  # handlers can be set there only
+            for sig in FORWARDED:
+                self._prev[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, prev in self._prev.items():
+            signal.signal(sig, prev)
+
+    def started(self, pgid: int) -> None:
+        self.pgid = pgid
+        for sig in self.received:
+            _signal_group(pgid, sig)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+        if self.pgid is not None:
+            _signal_group(self.pgid, signum)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap_group(pgid: int, grace_s: float = GRACE_S) -> None:
+    """Wait for the rest of the job's process group to exit; kill what is left after grace_s."""
+    deadline = time.monotonic() + grace_s
+    while _group_alive(pgid):
+        if time.monotonic() >= deadline:
+            click.echo(f"diagnose: job processes still running {grace_s:g} s after the signal: killing them",
+                       err=True)
+            _signal_group(pgid, signal.SIGKILL)
+            return
+        time.sleep(0.1)
+
+
+def run_job(command: list[str], env: dict | None, quiet: bool = False, pass_fds: tuple[int, ...] = ()) -> int | None:
+    """Run the job in its own session, forwarding signals; its exit status (128+N for signal N),
+    or None when it cannot be started (a one-line error is printed)."""
+    sink = subprocess.PIPE if quiet else None
+    with _Forwarder() as fwd:
+        try:
+            proc = subprocess.Popen(command, env=env, stdout=sink, stderr=sink, text=True, errors="replace",
+                                    start_new_session=True, pass_fds=pass_fds)
+        except OSError as exc:
+            click.echo(f"diagnose: error: cannot start {one_line(command[0])!r}: {exc.strerror or exc}", err=True)
+            return None
+        fwd.started(proc.pid)  # start_new_session: the job's pid is its process group id
+        job_out, job_err = proc.communicate()
+        if proc.returncode < 0 and not fwd.received:
+            _signal_group(proc.pid, signal.SIGTERM)  # the leader died of a signal: stop what it left behind
+        if fwd.received or proc.returncode < 0:
+            _reap_group(proc.pid)
+    code = exit_status(proc.returncode)
+    if quiet and code != 0:
+        click.echo((job_err or job_out or "")[-QUIET_TAIL:], err=True)
+    return code
+
+
 def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: bool = False,
-                    echo: bool = True, flight_recorder: bool = False) -> int:
-    """Run `command` under the probes, analyse what it wrote; return the command's exit code.
+                    echo: bool = True, flight_recorder: bool = False) -> RunOutcome:
+    """Run `command` under the probes in a fresh run directory under `out`, then analyse what it wrote.
 
     quiet_job: keep the job's own output out of the terminal (the demo) unless it fails.
+    echo: print the diagnosis summary (the run directory line and problems are printed always).
     flight_recorder: turn on torch.distributed's Flight Recorder, for `diagnose hang`.
     """
-    traces = out / "traces"
     try:
-        traces.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        click.echo(f"diagnose: warning: cannot create {traces} ({exc.strerror}); running without probes", err=True)
-        return subprocess.call(command)
-    env = probe_env(traces, schedule, flight_recorder=flight_recorder)
-    sink = subprocess.PIPE if quiet_job else None
-    try:
-        proc = subprocess.Popen(command, env=env, stdout=sink, stderr=sink, text=True)
-    except OSError as exc:
-        click.echo(f"diagnose: error: cannot start {command[0]!r}: {exc.strerror or exc}", err=True)
-        return 127
-    # Ctrl-C goes to the whole process group already; forward SIGTERM so the job can clean up
-    prev = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-    try:
-        job_out, job_err = proc.communicate()
-        code = proc.returncode
-    finally:
-        signal.signal(signal.SIGTERM, prev)
-    if quiet_job and code != 0:
-        click.echo((job_err or job_out or "")[-3000:], err=True)
-    from diagnose.cli import analyze_outputs
+        run_dir = create_run_dir(out)
+        lock = RunLock.acquire(run_dir)
+    except (OSError, DiagnoseError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        click.echo(f"diagnose: warning: cannot create a run directory in {one_line(str(out))} ({one_line(why)}); "
+                   "running without probes", err=True)
+        code = run_job(command, None, quiet_job)
+        return RunOutcome(127 if code is None else code, None, "no_probes" if code is not None else "not_started")
+    with lock:
+        click.echo(f"diagnose: run directory {one_line(str(run_dir))}", err=True)
+        shared = sharing_warning(run_dir)
+        if shared:
+            click.echo(f"diagnose: warning: {one_line(shared)}", err=True)
+        traces = run_dir / TRACES
+        env = probe_env(traces, schedule, flight_recorder=flight_recorder)
+        # the job's leader shares the lock: the run stays "live" for `watch`/`capture`/`hang`
+        # as long as the job does, even if this launcher is killed
+        code = run_job(command, env, quiet_job, pass_fds=(lock.fd,))
+        if code is None:
+            return RunOutcome(127, run_dir, "not_started")
+        if not _wrote_traces(traces):
+            # never diagnose anything else: a verdict here could only come from a stale file
+            click.echo(f"diagnose: the job wrote no traces (exit {code}); nothing to analyse", err=True)
+            return RunOutcome(code, run_dir, "no_traces")
+        from diagnose.cli import analyze_outputs
+
+        try:
+            analyze_outputs([str(traces)], run_dir, echo=echo)
+        except DiagnoseError as exc:
+            click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
+            return RunOutcome(code, run_dir, "analysis_failed")
+    return RunOutcome(code, run_dir, "analysed")
+
+
+def _wrote_traces(traces: Path) -> bool:
+    from diagnose.ingest.discover import discover_traces
 
     try:
-        analyze_outputs([str(traces)], out, echo=echo)
-    except DiagnoseError as exc:
-        click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
-    return code
+        return bool(discover_traces([traces]))
+    except DiagnoseError:
+        return False
+
+
+def script_args(command: list[str]) -> list[str]:
+    """The script part of a `python train.py ARGS` command, for `diagnose scale` to run under its own
+    torchrun (`-m pkg` becomes torchrun's `--module pkg`)."""
+    script = list(command)
+    if script and Path(script[0]).name.startswith("python"):
+        script = script[1:]
+    if not script:
+        raise DiagnoseError("give the script command after --: python train.py ARGS")
+    if Path(script[0]).name == "torchrun" or script[:2] == ["-m", "torch.distributed.run"]:
+        raise DiagnoseError("give the script command (python train.py ...); diagnose scale runs torchrun itself")
+    if script[0] == "-m":
+        script = ["--module", *script[1:]]
+    return script
+
+
+def with_batch(args: list[str], flag: str, value: int) -> list[str]:
+    """ARGS with the per-rank batch flag set to `value`: its value replaced (`--flag V` or
+    `--flag=V`), filled in when the flag ends the command, else the flag appended."""
+    out = list(args)
+    for i, a in enumerate(out):
+        if a == flag:
+            if i + 1 < len(out):
+                out[i + 1] = str(value)
+            else:
+                out.append(str(value))  # the flag was the last argument: give it its value
+            return out
+        if a.startswith(flag + "="):
+            out[i] = f"{flag}={value}"
+            return out
+    return out + [flag, str(value)]

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from diagnose.errors import one_line
 from diagnose.oncall import live_tails
 from diagnose.probedata import every_step_lateness, probe_from_rows
 from diagnose.thresholds import DEFAULT, Thresholds
@@ -36,11 +37,14 @@ class LiveView:
     late_ms: float
     suspicion: str
     window: int
+    warnings: tuple[str, ...] = ()
+    """Step logs skipped because they cannot be read safely (a FIFO, a device), one line each."""
 
 
 def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float | None = None) -> LiveView:
     now = time.time() if now is None else now
-    tails = {r: t[-window:] for r, t in live_tails(pdir).items() if t}
+    warnings: list[str] = []
+    tails = {r: t[-window:] for r, t in live_tails(pdir, warnings).items() if t}
     ranks = []
     for r, t in sorted(tails.items()):
         durs = [x["dur_ms"] for x in t]
@@ -51,7 +55,7 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
                               comm_ms=statistics.median(x.get("comm_ms", 0.0) for x in t),
                               age_s=max(0.0, now - (last["start"] + last["dur_ms"] / 1000))))
     if not ranks:
-        return LiveView((), None, 0, None, 0.0, "no finished step yet", window)
+        return LiveView((), None, 0, None, 0.0, "no finished step yet", window, tuple(warnings))
     furthest = max(x.step for x in ranks)
     slowest = min(ranks, key=lambda x: (x.step, -x.age_s))
     late_rank, late_ms = None, 0.0
@@ -82,7 +86,8 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
         suspects.append((comm, f"communication: collectives take {comm / step_ms:.0%} of each step"))
     suspicion = max(suspects)[1] if suspects else "nothing stands out"
     return LiveView(tuple(ranks), slowest.rank, furthest - slowest.step, late_rank, late_ms,
-                    f"{suspicion} (provisional: timings of the last {window} steps, no trace)", window)
+                    f"{suspicion} (provisional: timings of the last {window} steps, no trace)", window,
+                    tuple(warnings))
 
 
 def render(view: LiveView) -> str:
@@ -95,4 +100,5 @@ def render(view: LiveView) -> str:
     if view.slowest_rank is not None:
         lines.append(f"slowest rank: {view.slowest_rank}, {view.behind_steps} step(s) behind the furthest")
     lines.append(f"suspicion: {view.suspicion}")
+    lines += [f"warning: {one_line(w)}" for w in view.warnings]
     return "\n".join(lines)

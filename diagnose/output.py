@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import orjson
 
 from diagnose import __version__
+from diagnose.errors import one_line
 from diagnose.model import Diagnosis
+from diagnose.probes.safefs import write_atomic  # noqa: F401 - the one safe writer, shared with the probes
 
 
 def _clean(x):
@@ -58,32 +58,16 @@ def _verdict(d: Diagnosis) -> str:
             f" on rank(s) {', '.join(map(str, f.ranks))}")
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(d: Diagnosis, out_dir: Path) -> Path:
     path = out_dir / "diagnosis.json"
     write_atomic(path, orjson.dumps(diagnosis_dict(d), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
     return path
 
 
-def _printable(s: str) -> str:
-    """Trace text is untrusted: keep terminal control characters out of the summary."""
-    return "".join(ch if ch.isprintable() else "?" for ch in s)
-
-
 def terminal_summary(d: Diagnosis) -> str:
+    """The summary `analyze` prints. Titles, reasons, fixes, device names and warnings carry trace
+    text (op names, file names, metadata), which is untrusted: every line goes through one
+    sanitiser (`one_line`), so an escape sequence is shown escaped, never acted on by the terminal."""
     r = d.run
     lines = []
     f = d.top
@@ -92,7 +76,7 @@ def terminal_summary(d: Diagnosis) -> str:
     else:
         lines.append(f"VERDICT: {f.title}")
         if f.kind == "capacity":
-            lines.append(f"  {_printable(_reason(d, f.id))} (capacity: no step time lost), confidence {f.confidence}")
+            lines.append(f"  {_reason(d, f.id)} (capacity: no step time lost), confidence {f.confidence}")
         else:
             lines.append(f"  {f.recoverable_ms:.1f} ms per step recoverable ({f.share_of_step:.0%} of the step), "
                          f"rank(s) {', '.join(map(str, f.ranks))}, confidence {f.confidence}")
@@ -103,7 +87,7 @@ def terminal_summary(d: Diagnosis) -> str:
     lines.append("")
     backend = r.backend or ("none (single process)" if ws == 1 else "?")
     lines.append(f"run: {found} of {ws} ranks, backend {backend}, device {r.device}"
-                 f"{' (' + _printable(r.device_name) + ')' if r.device_name else ''}, "
+                 f"{' (' + r.device_name + ')' if r.device_name else ''}, "
                  f"{r.steps_analysed} step(s) from {r.step_source}, mean step {mean:.1f} ms")
     if d.findings:
         lines.append("")
@@ -114,11 +98,11 @@ def terminal_summary(d: Diagnosis) -> str:
     lines.append("")
     lines.append("checklist:")
     for c in d.checks:
-        lines.append(f"  [{c.status:^14}] {c.id}: {_printable(c.reason)}")
+        lines.append(f"  [{c.status:^14}] {c.id}: {c.reason}")
     if d.warnings:
         lines.append("")
         lines.append("warnings:")
-        lines += [f"  - {_printable(w)}" for w in d.warnings[:20]]
+        lines += [f"  - {w}" for w in d.warnings[:20]]
         if len(d.warnings) > 20:
             lines.append(f"  ... and {len(d.warnings) - 20} more (see diagnosis.json)")
-    return "\n".join(lines)
+    return "\n".join(one_line(line) for line in lines)

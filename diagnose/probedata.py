@@ -3,18 +3,44 @@
 They add what a few profiled steps cannot: every step's time, DataLoader wait and
 collective arrivals, and run metadata (batch size, num_workers, model size). The
 analysis works without them; with them, verdicts rest on every step.
+
+Sidecars are untrusted like traces (a shared run directory, a job killed mid-write), so they get
+the trace loader's guards: regular files only, opened non-blocking (a FIFO cannot stall the
+reader), size caps, depth limits; a bad sidecar becomes one warning naming the file, never a
+traceback. Step logs are read from the end, the newest MAX_STEP_LINES lines only, each line parsed
+straight into typed columns: memory follows the lines kept, not the file or a dict per step.
 """
 from __future__ import annotations
 
-import json
+import math
 import re
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
+import numpy as np
 import pandas as pd
+
+from diagnose.errors import one_line
+from diagnose.ingest import jsonsafe
+from diagnose.probes.safefs import UnsafePath, open_regular, read_regular
 
 _SIDE = re.compile(r"^rank(\d+)\.(probe\.json|steps\.jsonl|steps\.1\.jsonl)$")
 MAX_STEP_LINES = 200_000  # bound memory on very long runs: the newest steps matter most
+MAX_STEP_LINE_BYTES = 4 << 20
+"""One step's record; thousands of collectives fit. A longer line is skipped, so a line without
+a newline cannot make the reader hold a whole file."""
+MAX_PROBE_JSON_BYTES = 16 << 20
+"""probe.json holds metadata (a few KiB; per-save checkpoint records on long runs)."""
+MAX_WORLD_SIZE = 1 << 20
+"""Larger than any job; a sidecar claiming more is ignored (1e10 ranks made `hang` build a 1e10 list)."""
+MAX_STEP = 1 << 62
+READ_BLOCK = 1 << 20
+BATCH_LINES = 4096
+STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "comm_ms"]
+COLLECTIVE_COLUMNS = ["step", "seq", "name", "arrival", "dur_ms", "bytes", "group"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,54 +55,287 @@ class ProbeData:
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
 
+def sane_world_size(value) -> int | None:
+    """A sidecar's world size when it is one a job can have (an int in 1..MAX_WORLD_SIZE), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_WORLD_SIZE:
+        return value
+    return None
+
+
+def read_json_sidecar(path: Path, max_bytes: int = MAX_PROBE_JSON_BYTES):
+    """A JSON sidecar's value. Raises ValueError with a one-line reason naming the file for anything
+    unusable: not a regular file (FIFO, device), too large, not JSON, nested too deep."""
+    try:
+        data = read_regular(path, max_bytes)
+    except UnsafePath as exc:
+        raise ValueError(one_line(str(exc))) from None
+    except OSError as exc:
+        raise ValueError(one_line(f"{path}: cannot read ({exc.strerror or exc})")) from None
+    try:
+        return jsonsafe.loads(data)
+    except ValueError as exc:  # orjson's JSONDecodeError (its depth limit too) and TooDeep
+        raise ValueError(one_line(f"{path}: not valid JSON ({exc})")) from None
+
+
+def as_number(x) -> float:
+    """A finite float, else NaN (a string or a nested value in a numeric field is not a number)."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        try:
+            f = float(x)
+        except OverflowError:
+            return math.nan
+        return f if math.isfinite(f) else math.nan
+    return math.nan
+
+
+class _Columns:
+    """Step records parsed straight into typed columns (no dict kept per step)."""
+
+    __slots__ = ("step", "start", "dur", "dl", "comm", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
+                 "c_bytes", "c_group", "codes")
+
+    def __init__(self, codes: dict[str, int]) -> None:
+        self.step, self.c_step = array("q"), array("q")
+        self.start, self.dur, self.dl, self.comm = array("d"), array("d"), array("d"), array("d")
+        self.c_seq, self.c_name, self.c_group = array("q"), array("q"), array("q")
+        self.c_arrival, self.c_dur, self.c_bytes = array("d"), array("d"), array("d")
+        self.codes = codes  # shared string table: a collective's name and group are stored once
+
+    def _code(self, s: str) -> int:
+        code = self.codes.get(s)
+        if code is None:
+            code = self.codes[s] = len(self.codes)
+        return code
+
+    def add(self, r) -> None:
+        """One step record; anything malformed is left out (the warm-up step 0 too)."""
+        if not isinstance(r, dict):
+            return
+        step = r.get("step")
+        if not (isinstance(step, int) and not isinstance(step, bool) and 0 < step < MAX_STEP):
+            return
+        start, dur = as_number(r.get("start")), as_number(r.get("dur_ms"))
+        if math.isnan(start) or math.isnan(dur):
+            return
+        self.step.append(step)
+        self.start.append(start)
+        self.dur.append(dur)
+        self.dl.append(as_number(r.get("dataloader_ms")))
+        self.comm.append(as_number(r.get("comm_ms")))
+        colls = r.get("collectives")
+        if not isinstance(colls, list):
+            return
+        for seq, c in enumerate(colls):
+            if not (isinstance(c, list) and len(c) >= 5 and isinstance(c[0], str)
+                    and isinstance(c[4], (str, int)) and not isinstance(c[4], bool)):
+                continue
+            offset, cdur = as_number(c[1]), as_number(c[2])
+            if math.isnan(offset) or math.isnan(cdur):
+                continue
+            self.c_step.append(step)
+            self.c_seq.append(seq)
+            self.c_name.append(self._code(c[0]))
+            self.c_arrival.append(start + offset / 1000)
+            self.c_dur.append(cdur)
+            self.c_bytes.append(as_number(c[3]))
+            self.c_group.append(self._code(str(c[4])))
+
+
+def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The chunks' columns joined in order, as the steps and collectives frames. Each column's
+    chunks are dropped once joined, so the peak holds about one extra column, not a second copy."""
+    def col(name: str, dtype) -> np.ndarray:
+        parts = [np.frombuffer(getattr(c, name), dtype=dtype) for c in chunks if len(getattr(c, name))]
+        joined = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+        del parts
+        for c in chunks:
+            setattr(c, name, array(getattr(c, name).typecode))
+        return joined
+
+    steps = pd.DataFrame({"step": col("step", np.int64), "start": col("start", np.float64),
+                          "dur_ms": col("dur", np.float64), "dataloader_ms": col("dl", np.float64),
+                          "comm_ms": col("comm", np.float64)}, columns=STEP_COLUMNS, copy=False)
+    names = np.array(list(codes), dtype=object)
+    c_step = col("c_step", np.int64)
+    if not len(c_step):
+        return steps, pd.DataFrame()
+    colls = pd.DataFrame({"step": c_step, "seq": col("c_seq", np.int64), "name": names[col("c_name", np.int64)],
+                          "arrival": col("c_arrival", np.float64), "dur_ms": col("c_dur", np.float64),
+                          "bytes": col("c_bytes", np.float64), "group": names[col("c_group", np.int64)]},
+                         columns=COLLECTIVE_COLUMNS, copy=False)
+    return steps, colls
+
+
+def _lines_newest_first(f: BinaryIO, size: int) -> Iterator[bytes | None]:
+    """The file's lines from the end, newest first, reading blocks backwards (bounded memory).
+
+    The first item is what follows the last newline (b"" for a file that ends with one: a rank
+    killed mid-write leaves half a line there). None stands for a line over MAX_STEP_LINE_BYTES."""
+    pos, tail, skipping = size, b"", False
+    while pos > 0:
+        n = min(READ_BLOCK, pos)
+        pos -= n
+        f.seek(pos)
+        block = f.read(n)
+        parts = block.split(b"\n")
+        if len(parts) == 1:  # no newline in this block: the line goes on further back
+            if not skipping:
+                tail = block + tail
+                if len(tail) > MAX_STEP_LINE_BYTES:
+                    tail, skipping = b"", True
+            continue
+        last = None if skipping else parts[-1] + tail
+        yield None if last is None or len(last) > MAX_STEP_LINE_BYTES else last
+        for line in reversed(parts[1:-1]):
+            yield line if len(line) <= MAX_STEP_LINE_BYTES else None
+        tail, skipping = parts[0], False
+        if len(tail) > MAX_STEP_LINE_BYTES:
+            tail, skipping = b"", True
+    yield None if skipping else tail
+
+
+@dataclass(slots=True)
+class _StepRead:
+    chunks: list[_Columns]
+    """Newest first; each chunk in file order."""
+    codes: dict[str, int]
+    lines: int = 0
+    partial: bool = False
+    bad: int = 0
+    too_long: int = 0
+    first_error: str = ""
+
+
+def _read_steps(path: Path, into: _StepRead, budget: int) -> None:
+    """The newest `budget` lines of a steps log into `into` (newest chunk first)."""
+    with open_regular(path) as f:
+        size = f.seek(0, 2)
+        batch: list[bytes] = []
+
+        def flush() -> None:
+            chunk = _Columns(into.codes)
+            for raw in reversed(batch):  # back to file order: collectives keep their issue order
+                try:
+                    chunk.add(jsonsafe.loads(raw))
+                except ValueError as exc:
+                    into.bad += 1
+                    into.first_error = into.first_error or one_line(str(exc))[:120]
+            into.chunks.append(chunk)
+            batch.clear()
+
+        first = True
+        for line in _lines_newest_first(f, size):
+            if first:
+                first = False
+                if line:  # no newline at the end: the record being written when the rank died
+                    try:
+                        jsonsafe.loads(line)
+                    except ValueError:
+                        into.partial = True
+                        continue
+                    batch.append(line)
+                    into.lines += 1
+                continue
+            if line is None:
+                into.too_long += 1
+                into.lines += 1
+            elif line.strip():
+                batch.append(line)
+                into.lines += 1
+            if len(batch) >= BATCH_LINES:
+                flush()
+            if into.lines >= budget:
+                break
+        if batch:
+            flush()
+
+
+def load_steps(files: dict[str, Path], max_lines: int = MAX_STEP_LINES) -> tuple[pd.DataFrame, pd.DataFrame,
+                                                                                  bool, list[str]]:
+    """Steps and collectives from a rank's step logs (the rotated `.1` generation holds older steps),
+    the newest max_lines lines in all; whether the log ends in a cut line; warnings naming files."""
+    codes: dict[str, int] = {}
+    chunks: list[_Columns] = []
+    partial, warnings, used = False, [], 0
+    for key in ("steps.jsonl", "steps.1.jsonl"):  # newest first, so the line budget keeps the newest
+        if key not in files or used >= max_lines:
+            continue
+        read = _StepRead(chunks=[], codes=codes)
+        try:
+            _read_steps(files[key], read, max_lines - used)
+        except UnsafePath as exc:
+            warnings.append(f"{one_line(str(exc))}: step log ignored")
+            continue
+        except OSError as exc:
+            warnings.append(f"{one_line(files[key].name)}: unreadable ({exc.strerror or exc})")
+            continue
+        chunks += read.chunks
+        used += read.lines
+        partial = partial or read.partial
+        if read.bad:
+            warnings.append(f"{one_line(files[key].name)}: {read.bad} line(s) not valid JSON skipped "
+                            f"(first: {read.first_error})")
+        if read.too_long:
+            warnings.append(f"{one_line(files[key].name)}: {read.too_long} line(s) longer than "
+                            f"{MAX_STEP_LINE_BYTES >> 20} MiB skipped")
+    steps, colls = _frames(chunks[::-1], codes)
+    return steps, colls, partial, warnings
+
+
+def probe_from_rows(rank: int, meta: dict, rows: list, partial: bool = False,
+                    warnings: tuple[str, ...] = ()) -> ProbeData:
+    """ProbeData from parsed step records (the warm-up step 0 and malformed records are left out)."""
+    codes: dict[str, int] = {}
+    chunk = _Columns(codes)
+    for r in rows:
+        chunk.add(r)
+    steps, colls = _frames([chunk], codes)
+    return ProbeData(rank=rank, meta=meta, steps=steps, collectives=colls, partial=partial, warnings=warnings)
+
+
+def _schedule(value) -> dict | None:
+    """The profiler schedule a sidecar states, its fields as ints (else the field is left out)."""
+    if not isinstance(value, dict):
+        return None
+    out = {k: v for k in ("wait", "warmup", "active", "repeat")
+           if isinstance(v := value.get(k), int) and not isinstance(v, bool) and 0 <= v <= 1_000_000}
+    if isinstance(value.get("enabled"), bool):
+        out["enabled"] = value["enabled"]
+    return out
+
+
+def read_meta(path: Path) -> dict:
+    """Run metadata from a probe.json; raises ValueError naming the file."""
+    body = read_json_sidecar(path)
+    if not isinstance(body, dict):
+        raise ValueError(f"{one_line(str(path))}: not a JSON object")
+    meta = body.get("meta") if isinstance(body.get("meta"), dict) else {}
+    # cut deep values: the metadata is written into diagnosis.json by recursive code
+    meta = jsonsafe.clean(meta)
+    return {**meta, "schedule": _schedule(body.get("schedule")), "final": body.get("final") is True}
+
+
 def _dirs(paths: list[str | Path]) -> list[Path]:
     out = []
     for p in map(Path, paths):
         d = p if p.is_dir() else p.parent
         out.append(d)
         if p.is_dir():
-            out += [s for s in sorted(d.iterdir()) if s.is_dir()]
-    return out
-
-
-def _read_steps(path: Path) -> tuple[list[dict], bool]:
-    rows, partial = [], False
-    with open(path, "rb") as f:
-        for line in f:
             try:
-                rows.append(json.loads(line))
-            except ValueError:
-                partial = True  # a rank killed mid-write leaves half a line: keep the complete ones
-    return rows[-MAX_STEP_LINES:], partial
-
-
-def probe_from_rows(rank: int, meta: dict, rows: list, partial: bool = False,
-                    warnings: tuple[str, ...] = ()) -> ProbeData:
-    """ProbeData from parsed step records (the warm-up step 0 is left out)."""
-    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] > 0
-            and isinstance(r.get("start"), (int, float)) and isinstance(r.get("dur_ms"), (int, float))]
-    steps = pd.DataFrame([{k: r.get(k) for k in ("step", "start", "dur_ms", "dataloader_ms", "comm_ms")}
-                          for r in rows], columns=["step", "start", "dur_ms", "dataloader_ms", "comm_ms"])
-    colls = []
-    for r in rows:
-        for seq, c in enumerate(r.get("collectives") or []):
-            if isinstance(c, list) and len(c) >= 5:
-                try:
-                    colls.append({"step": r["step"], "seq": seq, "name": str(c[0]),
-                                  "arrival": float(r["start"]) + float(c[1]) / 1000, "dur_ms": float(c[2]),
-                                  "bytes": c[3], "group": str(c[4])})
-                except (TypeError, ValueError):
-                    continue
-    return ProbeData(rank=rank, meta=meta, steps=steps, collectives=pd.DataFrame(colls), partial=partial,
-                     warnings=warnings)
+                out += [s for s in sorted(d.iterdir()) if s.is_dir()]
+            except OSError:
+                continue
+    return out
 
 
 def load_probe_data(paths: list[str | Path]) -> dict[int, ProbeData]:
     found: dict[int, dict[str, Path]] = {}
     for d in _dirs(paths):
-        if not d.exists():
+        try:
+            entries = list(d.iterdir())
+        except OSError:
             continue
-        for f in d.iterdir():
+        for f in entries:
             m = _SIDE.match(f.name)
             if m:
                 found.setdefault(int(m.group(1)), {})[m.group(2)] = f
@@ -86,22 +345,13 @@ def load_probe_data(paths: list[str | Path]) -> dict[int, ProbeData]:
         meta: dict = {}
         if "probe.json" in files:
             try:
-                body = json.loads(files["probe.json"].read_text())
-                body = body if isinstance(body, dict) else {}
-                meta = body.get("meta") if isinstance(body.get("meta"), dict) else {}
-                meta = {**meta, "schedule": body.get("schedule"), "final": body.get("final")}
-            except (ValueError, OSError) as exc:
-                warnings.append(f"{files['probe.json'].name}: unreadable sidecar ({exc})")
-        rows, partial = ([], False)
-        for key in ("steps.1.jsonl", "steps.jsonl"):  # the rotated generation first: oldest steps first
-            if key in files:
-                try:
-                    more, cut = _read_steps(files[key])
-                    rows += more
-                    partial = partial or cut
-                except OSError as exc:
-                    warnings.append(f"{files[key].name}: unreadable ({exc})")
-        out[rank] = probe_from_rows(rank, meta, rows, partial, tuple(warnings))
+                meta = read_meta(files["probe.json"])
+            except ValueError as exc:
+                warnings.append(f"{exc}: sidecar ignored")
+        steps, colls, partial, more = load_steps(files)
+        warnings += more
+        out[rank] = ProbeData(rank=rank, meta=meta, steps=steps, collectives=colls, partial=partial,
+                              warnings=tuple(warnings))
     return out
 
 

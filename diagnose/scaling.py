@@ -27,6 +27,7 @@ from diagnose.errors import DiagnoseError
 from diagnose.model import Diagnosis
 from diagnose.pipeline import diagnose_paths
 from diagnose.probedata import load_probe_data
+from diagnose.rundir import resolve_run
 
 CAUSES = ("dataloader_starvation", "input_stall", "exposed_communication", "straggler", "launch_overhead")
 SCHEMA_VERSION = "1.0"
@@ -101,6 +102,7 @@ def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None]:
 
 
 def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None) -> tuple[ScalePoint, Diagnosis]:
+    run_dir = resolve_run(run_dir)  # a run's `--out` parent stands for its newest run
     traces = run_dir / "traces" if (run_dir / "traces").is_dir() else run_dir
     d = diagnose_paths([traces])
     probe_ms, probe_batch = _probe_step_ms(traces)

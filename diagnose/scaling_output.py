@@ -33,7 +33,7 @@ def write_scaling(s: Scaling, out: Path) -> list[Path]:
     written = [out / "scaling.json"]
     write_atomic(written[0], orjson.dumps(data, option=orjson.OPT_INDENT_2))
     try:
-        from reports.scaling import render_scaling
+        from diagnose.reports.scaling import render_scaling
     except ImportError:
         return written
     written.append(out / "report.html")

@@ -18,6 +18,10 @@ Pathology flags (all off by default: a healthy run):
   --batch-size small        with a wide model: tiny micro-batch, per-op overhead dominates
   --bucket-cap-mb tiny      many small all-reduces
   --trace-dir DIR           record torch.profiler traces there (as a user would, without the probes)
+
+Launching: torchrun (above), or `python examples/train_ddp.py --spawn 2`: torch.multiprocessing.spawn
+starts the ranks itself and no RANK is set in their environment (as with mp.spawn, srun or mpirun
+scripts that pass the rank to init_process_group).
 """
 from __future__ import annotations
 
@@ -88,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append each step's wall time (ms) to STEP_LOG.rank{R} (for the overhead benchmark)")
     p.add_argument("--exit-early-rank", type=int, default=-1, help="this rank exits after --exit-early-step")
     p.add_argument("--exit-early-step", type=int, default=3)
+    p.add_argument("--spawn", type=int, default=0,
+                   help="start this many ranks with torch.multiprocessing.spawn (no RANK in their environment)")
     args = p.parse_args(argv)
     for key, value in {**DEFAULTS, **PRESETS[args.pathology]}.items():
         if getattr(args, key) is None:
@@ -118,16 +124,35 @@ def build_model(args: argparse.Namespace) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _spawned(rank: int, argv: list[str] | None, world: int, port: int) -> None:
+    main(argv, spawned=(rank, world, port))
+
+
+def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = None) -> int:
     args = parse_args(argv)
-    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if args.spawn and spawned is None:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_spawned, args=(argv, args.spawn, port), nprocs=args.spawn)
+        return 0
+    distributed = spawned is not None or ("WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1)
     use_cuda = torch.cuda.is_available()
-    if distributed:
+    if spawned is not None:
+        rank, world, port = spawned
+        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world)
+    elif distributed:
         dist.init_process_group("nccl" if use_cuda else "gloo")
         rank = dist.get_rank()
     else:
         rank = 0
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
+    local = rank if spawned is not None else int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(0)

@@ -2,15 +2,15 @@
 
 Python API::
 
-    import probes
+    from diagnose import probes
     with probes.watch("runs/exp1", schedule="2,2,5") as w:
         for batch in w.loader(dataloader):
             loss = model(batch).sum(); loss.backward(); opt.step(); opt.zero_grad()
             w.step()
 
 Zero code change: `diagnose run --out DIR -- torchrun --nproc_per_node=N train.py ARGS`
-(the launcher puts `probes/bootstrap` on PYTHONPATH; its sitecustomize calls
-`install_from_env`). Both write per-rank traces, every-step timings and a metadata
+(the launcher puts `probes/bootstrap` on PYTHONPATH; its sitecustomize loads this
+package by absolute path and calls `install_from_env`). Both write per-rank traces, every-step timings and a metadata
 sidecar; see probes.core for the files and the safety contract.
 """
 from __future__ import annotations
@@ -20,23 +20,12 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-from probes.core import Probe, Schedule
+from .core import Probe, Schedule
 
 __all__ = ["watch", "Watch", "Probe", "Schedule", "install_from_env"]
 
 ENV_OUT = "DIAGNOSE_PROBE_DIR"
 ENV_SCHEDULE = "DIAGNOSE_PROBE_SCHEDULE"
-
-
-def _rank_world() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:  # noqa: BLE001
-        pass
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class Watch:
@@ -46,10 +35,10 @@ class Watch:
         self.probe = probe
 
     def loader(self, iterable):
-        from probes.patches import _TimedIter
+        from .patches import _TimedIter
 
         try:
-            from probes.meta import loader_facts
+            from .meta import loader_facts
 
             self.probe.meta.setdefault("dataloader", {}).update(loader_facts(iterable))
             return _TimedIter(iter(iterable), self.probe)
@@ -63,7 +52,7 @@ class Watch:
 
     def describe(self, model=None, optimizer=None) -> None:
         """Optional: record model/optimizer facts (parameter count, dtype, optimizer) for the memory check."""
-        from probes.meta import model_facts, optimizer_facts
+        from .meta import model_facts, optimizer_facts
 
         try:
             if model is not None:
@@ -76,12 +65,12 @@ class Watch:
 
 @contextmanager
 def watch(out_dir: str | Path, schedule: str | Schedule | None = None, collectives: bool = True):
-    """Probe the loop inside the `with` block; rank and world size come from torch.distributed or env."""
-    rank, world = _rank_world()
+    """Probe the loop inside the `with` block; rank and world size come from torch.distributed, else
+    the environment, when the first file is written. out_dir is yours: it may be a symlink you made."""
     sch = schedule if isinstance(schedule, Schedule) else Schedule.parse(schedule)
-    probe = Probe(out_dir, rank, world, sch)
+    probe = Probe(out_dir, schedule=sch, strict_dir=False)
     undo = []
-    from probes.patches import _checkpoint, _collectives, _ddp, _memory
+    from .patches import _checkpoint, _collectives, _ddp, _memory
 
     for part in ((_collectives, _ddp, _memory, _checkpoint) if collectives else (_memory, _checkpoint)):
         try:
@@ -105,7 +94,7 @@ def watch(out_dir: str | Path, schedule: str | Schedule | None = None, collectiv
 
 def _record_facts(probe: Probe) -> None:
     try:
-        from probes.meta import environment, memory_facts, torch_facts
+        from .meta import environment, memory_facts, torch_facts
 
         probe.meta.update(torch_facts())
         probe.meta["env"] = environment()
@@ -125,9 +114,13 @@ def install_from_env() -> Probe | None:
     out = os.environ.get(ENV_OUT)
     if not out:
         return None
-    rank, world = _rank_world()
-    probe = Probe(out, rank, world, Schedule.parse(os.environ.get(ENV_SCHEDULE)))
-    from probes.patches import install
+    try:
+        schedule = Schedule.parse(os.environ.get(ENV_SCHEDULE))
+    except ValueError:
+        schedule = Schedule()  # the launcher validates it; a hand-set bad value must not stop the job
+    # rank: resolved when the first file is named (the process group may not exist yet)
+    probe = Probe(out, schedule=schedule, strict_dir=True)
+    from .patches import install
 
     install(probe)
     pid = os.getpid()
@@ -135,25 +128,12 @@ def install_from_env() -> Probe | None:
     def finish() -> None:
         if os.getpid() != pid or probe.step == 0:
             return  # a forked worker, or a process that never trained
-        # rank may only be known now that the process group exists
-        r, w = _rank_world()
-        probe.rank, probe.world_size = r, w
         _record_facts(probe)
         probe.close()
 
     atexit.register(finish)
     _flush_on_sigterm(finish, probe)
     return probe
-
-
-def _remove_temp_files(probe: Probe) -> None:
-    """A write interrupted by the signal never reaches its rename: drop its temp files."""
-    for d in (probe.out_dir, *probe.out_dir.glob("capture-*")):
-        for p in d.glob(f".rank{probe.rank}.*"):
-            try:
-                p.unlink()
-            except OSError:
-                pass
 
 
 def _flush_on_sigterm(finish, probe: Probe) -> None:
@@ -172,7 +152,7 @@ def _flush_on_sigterm(finish, probe: Probe) -> None:
     def on_term(signum, frame):
         try:
             finish()
-            _remove_temp_files(probe)
+            probe.remove_temp_files()
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)

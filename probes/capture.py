@@ -2,59 +2,87 @@
 
 `diagnose capture RUN_DIR` writes `capture.json` (atomically) into the probe
 directory: {"id", "start_step", "steps"}. Each rank notices it at a step boundary
-with one `os.stat` (no read unless it changed), profiles steps
+with one `lstat` (no read unless it changed), profiles steps
 [start_step, start_step + steps) and writes `capture-{id}/rank{R}.pt.trace.json.gz`
 plus a status file `capture-{id}/rank{R}.capture.json` ({"status": "done" | "missed",
 "reason"}). No collective, no barrier: ranks coordinate through the step number only.
+
+The control file is untrusted (the run directory may be shared): it is read only when it is a
+regular file of at most MAX_CONTROL_BYTES, opened non-blocking (a FIFO or a symlink to
+/dev/zero cannot stall a step); a bad one is ignored and polling goes on; at most one request
+is taken per MIN_INTERVAL_S, so forged requests cannot keep a rank profiling.
 """
 from __future__ import annotations
 
 import json
-import os
+import logging
 import re
+import time
+
+from .safefs import SafeDir, UnsafePath
 
 CONTROL = "capture.json"
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_CONTROL_BYTES = 64 * 1024
+MAX_STEPS = 1000
+MIN_INTERVAL_S = 10.0
+ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: no trailing newline, no path separator
+
+log = logging.getLogger("diagnose.probes")
+
+
+def valid_request(req) -> bool:
+    """The bounds a rank applies; `diagnose capture` checks the same before writing a request."""
+    return (isinstance(req, dict) and isinstance(req.get("id"), str) and ID.fullmatch(req["id"]) is not None
+            and _int(req.get("start_step")) and req["start_step"] >= 0
+            and _int(req.get("steps")) and 0 < req["steps"] <= MAX_STEPS)
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_control(d: SafeDir, name: str) -> dict | None:
+    """A control file's JSON object, or None for anything unusable (absent, not a regular file,
+    too large, not JSON, nested too deep): the caller ignores it and keeps polling."""
+    try:
+        data = d.read_small(name, MAX_CONTROL_BYTES)
+        body = json.loads(data) if data is not None else None
+    except (UnsafePath, OSError, ValueError, RecursionError) as exc:
+        log.debug("diagnose probe: ignoring %s: %s", name, exc)
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def signature(st) -> tuple | None:
+    return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class OnDemandCapture:
     def __init__(self, probe) -> None:
         self.probe = probe
-        self.control = probe.out_dir / CONTROL
-        self._mtime = None
+        self._seen = None
+        self._next_ok = 0.0
         self._request: dict | None = None
         self._prof = None
         self._handled: set[str] = set()
 
+    def _subdir(self, req: dict) -> SafeDir:
+        return self.probe.directory().subdir(f"capture-{req['id']}")
+
     def _status(self, req: dict, status: str, reason: str = "") -> None:
-        d = self.probe.out_dir / f"capture-{req['id']}"
-        d.mkdir(parents=True, exist_ok=True)
         body = {"rank": self.probe.rank, "status": status, "reason": reason, "start_step": req["start_step"],
                 "steps": req["steps"]}
-        from probes.core import atomic_write
-
-        atomic_write(d / f"rank{self.probe.rank}.capture.json", json.dumps(body).encode())
+        with self._subdir(req) as d:
+            d.write_atomic(f"rank{self.probe.rank}.capture.json", json.dumps(body).encode())
 
     def poll(self, next_step: int) -> None:
         """At a step boundary; next_step is the index of the step about to run."""
-        try:
-            st = os.stat(self.control)
-        except FileNotFoundError:
-            st = None
-        if st is not None and st.st_mtime_ns != self._mtime:
-            self._mtime = st.st_mtime_ns
-            req = json.loads(self.control.read_text())
-            ok = (isinstance(req, dict) and isinstance(req.get("id"), str) and _ID.match(req["id"])
-                  and isinstance(req.get("start_step"), int) and isinstance(req.get("steps"), int)
-                  and 0 < req["steps"] <= 1000)
-            if ok and req["id"] not in self._handled:
-                self._handled.add(req["id"])
-                if next_step > req["start_step"] - 1:
-                    self._status(req, "missed", f"request seen at step {next_step}, after its start")
-                elif self.probe.profiler_busy():
-                    self._status(req, "missed", "a scheduled profiler window was running")
-                else:
-                    self._request = req
+        d = self.probe.directory()
+        if d is not None and self._request is None and time.monotonic() >= self._next_ok:
+            sig = signature(d.lstat(CONTROL))
+            if sig is not None and sig != self._seen:
+                self._seen = sig
+                self._consider(read_control(d, CONTROL), next_step)
         req = self._request
         if req is None:
             return
@@ -67,6 +95,23 @@ class OnDemandCapture:
                 prof.stop()  # closes ProfilerStep#(start+n-1) and calls the export
             else:
                 self._prof.step()
+
+    def _consider(self, req: dict | None, next_step: int) -> None:
+        if not valid_request(req) or req["id"] in self._handled:
+            return
+        self._handled.add(req["id"])
+        self._next_ok = time.monotonic() + MIN_INTERVAL_S
+        try:
+            if next_step > req["start_step"] - 1:
+                self._status(req, "missed", f"request seen at step {next_step}, after its start")
+            elif self.probe.profiler_busy():
+                self._status(req, "missed", "a scheduled profiler window was running")
+            else:
+                with self._subdir(req):  # refuse a planted capture-{id} (symlink, foreign) before profiling
+                    pass
+                self._request = req
+        except OSError as exc:  # this request only: later ones are still served
+            log.warning("diagnose probe (rank %s): capture %s refused: %s", self.probe.rank, req["id"], exc)
 
     def _start(self, req: dict) -> None:
         import torch
@@ -84,12 +129,15 @@ class OnDemandCapture:
         self._prof = prof
 
     def _export(self, prof, req: dict) -> None:
-        from probes.core import export_gz
+        from .core import export_gz
 
-        d = self.probe.out_dir / f"capture-{req['id']}"
-        d.mkdir(parents=True, exist_ok=True)
-        export_gz(prof, d / f"rank{self.probe.rank}.pt.trace.json.gz")
-        self._status(req, "done")
+        try:
+            with self._subdir(req) as d:
+                export_gz(prof, d, f"rank{self.probe.rank}.pt.trace.json.gz")
+            self._status(req, "done")
+        except OSError as exc:  # this capture only (a full disk, a directory swapped meanwhile)
+            log.warning("diagnose probe (rank %s): capture %s not written: %s", self.probe.rank, req["id"], exc)
+        self._next_ok = time.monotonic() + MIN_INTERVAL_S  # counted from the end of the capture
 
     def close(self) -> None:
         if self._prof is not None:

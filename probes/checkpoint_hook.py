@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from probes.core import Probe
+from .core import Probe
 
 MAX_RECORDS = 256
 _MARK = "__diagnose_checkpoint__"

@@ -9,6 +9,11 @@ Files written in `out_dir` (all per rank, all atomic or append-only):
 - `rank{R}.steps.jsonl`  one JSON line per step, flushed every step (survives a killed rank)
 - `rank{R}.probe.json`   run metadata + summary, rewritten atomically (temp file + rename)
 - `rank{R}.{stamp}.pt.trace.json.gz`  torch.profiler traces of the scheduled windows
+
+All of them go through `safefs` (the run directory may be shared: no symlink, FIFO or foreign
+file planted there is followed). R is resolved once, before the first file is named: the
+process group's rank when it exists, else the launcher's RANK; a process that is not a training
+rank (a child of one, which inherits RANK) writes nothing.
 """
 from __future__ import annotations
 
@@ -17,15 +22,18 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diagnose.output import write_atomic as atomic_write  # one atomic writer for the whole project
+from .safefs import SafeDir
 
 log = logging.getLogger("diagnose.probes")
+
+# Set in the environment by the process that claimed a rank: its children inherit RANK from the
+# launcher, but they are not that rank (an evaluation subprocess, a helper that steps an optimizer).
+ENV_OWNER = "DIAGNOSE_PROBE_OWNER"
 
 
 @dataclass(slots=True)
@@ -40,13 +48,45 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str | None) -> Schedule:
-        """'2,2,5' or '2,2,5,1' or 'off'."""
+        """'2,2,5' or '2,2,5,1' or 'off'; raises ValueError naming what is wrong."""
         if not text:
             return cls()
         if text.strip().lower() in ("0", "off", "none", "light"):
             return cls(enabled=False)
-        parts = [int(x) for x in text.split(",")]
-        return cls(*parts[:4])
+        try:
+            parts = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise ValueError(f"schedule {text!r}: expected wait,warmup,active[,repeat] (integers) or 'off'") from None
+        if not 3 <= len(parts) <= 4:
+            raise ValueError(f"schedule {text!r}: expected 3 or 4 numbers: wait,warmup,active[,repeat]")
+        wait, warmup, active, *rest = parts
+        repeat = rest[0] if rest else 1
+        if min(wait, warmup, repeat) < 0 or active < 1 or max(parts) > 1_000_000:
+            raise ValueError(f"schedule {text!r}: wait, warmup and repeat must be >= 0 and active >= 1")
+        return cls(wait, warmup, active, repeat)
+
+
+def resolve_identity() -> tuple[int, int] | None:
+    """(rank, world size) of this process, or None when it is not a training rank.
+
+    The process group knows best (mp.spawn, srun and mpirun set no RANK); then the launcher's RANK;
+    a process with neither is a single-process job: rank 0 of 1. A child of a process that already
+    claimed a rank inherited its RANK but is not that rank: None.
+    """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:  # noqa: BLE001 - no usable torch.distributed: fall back to the environment
+        pass
+    owner = os.environ.get(ENV_OWNER)
+    if owner and owner != str(os.getpid()):
+        return None
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        return None
 
 
 @dataclass(slots=True)
@@ -68,10 +108,17 @@ class Probe:
     """One rank's probe. Create with `Probe.for_this_process(out_dir)`; drive with
     `on_data_wait`, `on_collective`, `on_step` (the API and the launcher both do)."""
 
-    def __init__(self, out_dir: str | Path, rank: int, world_size: int, schedule: Schedule | None = None) -> None:
+    def __init__(self, out_dir: str | Path, rank: int | None = None, world_size: int | None = None,
+                 schedule: Schedule | None = None, strict_dir: bool = True) -> None:
+        """rank None: resolved (`resolve_identity`) when the first file is about to be named.
+        strict_dir: out_dir is the tool's own (made by the launcher): never a symlink, ours only;
+        False for a directory the user named (`probes.watch(DIR)`)."""
         self.out_dir = Path(out_dir)
-        self.rank = rank
-        self.world_size = world_size
+        self._claimed = rank is not None
+        self.rank = rank if rank is not None else -1
+        self.world_size = world_size if world_size is not None else 1
+        self.strict_dir = strict_dir
+        self._dir: SafeDir | None = None
         self.schedule = schedule or Schedule()
         self.step = 0
         self._t0 = time.perf_counter()
@@ -92,10 +139,6 @@ class Probe:
         self.max_log_bytes = _env_mb("DIAGNOSE_PROBE_MAX_LOG_MB", 64)
         self.meta: dict = {}
         self._summary = {"steps": 0, "dataloader_ms": 0.0, "comm_ms": 0.0, "step_ms": 0.0}
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            self._fail("output", exc)
 
     # ---- safety -------------------------------------------------------------------
     def _fail(self, part: str, exc: BaseException) -> None:
@@ -106,6 +149,31 @@ class Probe:
 
     def ok(self, part: str) -> bool:
         return part not in self._failed and "output" not in self._failed
+
+    def claim(self) -> bool:
+        """Fix this process's rank before any per-rank file is named; False: write nothing."""
+        if not self._claimed:
+            self._claimed = True
+            ident = resolve_identity()
+            if ident is None:
+                self._failed.add("output")  # not a training rank: silent by design, not an error
+                log.debug("diagnose probe: pid %s is a child of a rank, not a rank: writing nothing", os.getpid())
+                return False
+            self.rank, self.world_size = ident
+            os.environ[ENV_OWNER] = str(os.getpid())
+        return self.ok("output")
+
+    def directory(self) -> SafeDir | None:
+        """The output directory, opened once (after the rank is claimed)."""
+        if self._dir is None and self.claim():
+            try:
+                self._dir = SafeDir.open(self.out_dir, create=True, strict=self.strict_dir)
+                # a directory the launcher made: the launcher says it once for the whole run
+                if self._dir.warning and not self.strict_dir:
+                    log.warning("diagnose probe (rank %s): %s", self.rank, self._dir.warning)
+            except Exception as exc:  # noqa: BLE001
+                self._fail("output", exc)
+        return self._dir
 
     # ---- events from the training loop --------------------------------------------
     def on_data_wait(self, seconds: float) -> None:
@@ -192,7 +260,7 @@ class Probe:
             return
         try:
             if self._capture is None:
-                from probes.capture import OnDemandCapture
+                from .capture import OnDemandCapture
 
                 self._capture = OnDemandCapture(self)
             self._capture.poll(self.step)
@@ -204,9 +272,12 @@ class Probe:
         if not self.ok("hang watch"):
             return
         try:
-            from probes.hang import HangWatcher
+            from .hang import HangWatcher
 
-            self._hang = HangWatcher(self.out_dir, self.rank, lambda exc: self._fail("hang watch", exc))
+            d = self.directory()
+            if d is None:
+                return
+            self._hang = HangWatcher(d, self.rank, lambda exc: self._fail("hang watch", exc))
             self._hang.start()
         except Exception as exc:  # noqa: BLE001
             self._fail("hang watch", exc)
@@ -216,16 +287,17 @@ class Probe:
 
     # ---- files ------------------------------------------------------------------
     def _write_step(self, rec: StepRecord) -> None:
-        if not self.ok("step log"):
+        d = self.directory()
+        if d is None or not self.ok("step log"):
             return
-        path = self.out_dir / f"rank{self.rank}.steps.jsonl"
+        name = f"rank{self.rank}.steps.jsonl"
         if self._steps_file is None:
-            self._steps_file = open(path, "a", buffering=1 << 16)
+            self._steps_file = d.open_append(name, buffering=1 << 16)
         elif self._steps_file.tell() > self.max_log_bytes:
             # bounded size: keep the previous file as .1 (one generation), start a new one
             self._steps_file.close()
-            os.replace(path, path.with_name(f"rank{self.rank}.steps.1.jsonl"))
-            self._steps_file = open(path, "a", buffering=1 << 16)
+            d.replace(name, f"rank{self.rank}.steps.1.jsonl")
+            self._steps_file = d.open_append(name, buffering=1 << 16)
         f = self._steps_file
         f.write(json.dumps({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
                             rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
@@ -234,7 +306,8 @@ class Probe:
         f.flush()  # one write syscall per step: a killed rank leaves every finished step readable
 
     def write_sidecar(self, final: bool = False) -> None:
-        if not self.ok("sidecar"):
+        d = self.directory()
+        if d is None or not self.ok("sidecar"):
             return
         try:
             body = {"format": "diagnose-probe/1", "rank": self.rank, "world_size": self.world_size,
@@ -243,7 +316,7 @@ class Probe:
                                                  "enabled": self.schedule.enabled},
                     "meta": self.meta, "summary": self._summary, "traces_written": self._traces_written,
                     "disabled_parts": sorted(self._failed)}
-            atomic_write(self.out_dir / f"rank{self.rank}.probe.json", json.dumps(body, indent=1).encode())
+            d.write_atomic(f"rank{self.rank}.probe.json", json.dumps(body, indent=1).encode())
         except Exception as exc:  # noqa: BLE001
             self._fail("sidecar", exc)
 
@@ -251,6 +324,8 @@ class Probe:
     def start_profiler(self) -> None:
         if not self.schedule.enabled or self._profiler is not None or not self.ok("profiler"):
             return
+        if self.directory() is None:
+            return  # not a training rank, or nowhere to write: do not profile
         try:
             import torch
 
@@ -284,11 +359,12 @@ class Probe:
             self._profiler = None
 
     def _export_trace(self, prof) -> None:
-        if not self.ok("trace export"):
+        d = self.directory()
+        if d is None or not self.ok("trace export"):
             return
         try:
             stamp = f"{int(time.time() * 1000)}"
-            export_gz(prof, self.out_dir / f"rank{self.rank}.{stamp}.pt.trace.json.gz")
+            export_gz(prof, d, f"rank{self.rank}.{stamp}.pt.trace.json.gz")
             self._traces_written += 1
         except Exception as exc:  # noqa: BLE001
             self._fail("trace export", exc)
@@ -300,8 +376,9 @@ class Probe:
             self._fail(part, exc)
 
     def close(self) -> None:
+        hang_done = True
         if self._hang is not None:
-            self._hang.stop()
+            hang_done = self._hang.stop()
         if self._capture is not None:
             self._quietly("capture", self._capture.close)
         if self._profiler is not None:
@@ -311,6 +388,34 @@ class Probe:
             self._quietly("step log", self._steps_file.close)
             self._steps_file = None
         self.write_sidecar(final=True)
+        # the hang thread uses the directory's descriptor: never close it under a running thread
+        # (a reused descriptor number would point it at another directory); at exit it is freed anyway
+        if self._dir is not None and hang_done:
+            self._quietly("output", self._dir.close)
+            self._dir = None
+
+    def remove_temp_files(self) -> None:
+        """A write interrupted by a signal never reaches its rename: drop its private temp dirs."""
+        if not self._claimed or not self.ok("output"):
+            return
+        try:  # close() may have run already (SIGTERM: finish first, then this): open it again
+            d = self._dir or SafeDir.open(self.out_dir, create=False, strict=self.strict_dir)
+        except OSError:
+            return
+        prefix = f"rank{self.rank}."
+        try:
+            d.remove_private_tmps(prefix)
+            for n in [n for n in os.listdir(d.fd) if n.startswith("capture-")]:
+                try:
+                    with d.subdir(n, create=False) as sub:
+                        sub.remove_private_tmps(prefix)
+                except OSError:
+                    continue
+        except OSError:
+            pass
+        finally:
+            if d is not self._dir:
+                d.close()
 
 
 def _env_mb(name: str, default: int) -> int:
@@ -320,22 +425,21 @@ def _env_mb(name: str, default: int) -> int:
         return default * 1024**2
 
 
-def export_gz(prof, final: Path) -> None:
-    """Export a profiler trace gzipped, via temp files and a rename: readers see a whole trace or none."""
-    fd, raw = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(raw)
+def export_gz(prof, d: SafeDir, final: str) -> None:
+    """Export a profiler trace gzipped into `d` as `final`, via a private temp directory and one
+    rename: readers see a whole trace or none, and nothing planted in a shared directory is
+    followed (the C++ exporter writes through /proc/self/fd into the private directory)."""
+    raw = "trace.json"
+    with d.private_tmp(final) as tmp:
+        prof.export_chrome_trace(tmp.fd_path(raw))
         # the exporter can fail without raising (a full disk): never publish a cut trace
-        with open(raw, "rb") as f:
+        with tmp.open_read(raw) as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - 64))
             tail = f.read().rstrip()
         if not tail.endswith(b"}"):
             raise OSError(f"the profiler wrote an incomplete trace ({size} bytes): disk full?")
-        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb", compresslevel=3) as dst:
+        with tmp.open_read(raw) as src, tmp.open_new(raw + ".gz") as out, \
+                gzip.GzipFile(filename="", mode="wb", fileobj=out, compresslevel=3) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
-        os.replace(raw + ".gz", final)
-    finally:
-        for p in (raw, raw + ".gz", raw + ".tmp"):  # .tmp: the exporter's own, left when it fails
-            Path(p).unlink(missing_ok=True)
+        tmp.publish(raw + ".gz", final)

@@ -8,29 +8,24 @@ JSON dump (never pickle), or
 has released the GIL, so the thread runs while the training thread is stuck; it takes no lock
 the training loop takes. The Flight Recorder records only if TORCH_FR_BUFFER_SIZE is set before
 the process group starts: `diagnose run --flight-recorder` sets it unless the job sets its own.
+
+The request file is untrusted (shared run directories): read as `capture.json` is (regular file,
+small, non-blocking, bounded); a bad one is ignored and the thread keeps polling; each rank
+dumps at most once per MIN_INTERVAL_S whatever the number of requests.
 """
 from __future__ import annotations
 
 import json
-import os
-import re
 import threading
 import time
-from pathlib import Path
+
+from .capture import ID, read_control, signature
+from .safefs import SafeDir
 
 CONTROL = "hang.json"
 POLL_S = 1.0
 STALE_S = 120.0
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-def _rank(default: int) -> int:
-    try:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else default
-    except Exception:  # noqa: BLE001
-        return default
+MIN_INTERVAL_S = 10.0
 
 
 def flight_recorder_json() -> bytes:
@@ -45,53 +40,53 @@ def flight_recorder_json() -> bytes:
 
 
 class HangWatcher:
-    def __init__(self, out_dir: Path, rank: int, on_error) -> None:
+    def __init__(self, out_dir: SafeDir, rank: int, on_error) -> None:
+        """out_dir: the probe's open directory; rank: already claimed by the probe."""
         self.out_dir = out_dir
         self.rank = rank
         self.on_error = on_error
-        self.control = out_dir / CONTROL
-        self._mtime: int | None = None
+        self._seen = None
+        self._next_ok = 0.0
         self._done: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="diagnose-hang-watch", daemon=True)
 
     def start(self) -> None:
-        self.rank = _rank(self.rank)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 2.0) -> bool:
+        """Stop polling; True once the thread has finished (then its directory may be closed)."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(join_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             try:
                 self.poll()
             except Exception as exc:  # noqa: BLE001 - a probe must never disturb the job
-                self.on_error(exc)
-                return
+                self.on_error(exc)  # logged once; polling goes on (a later request may succeed)
 
     def poll(self) -> None:
-        try:
-            st = os.stat(self.control)
-        except FileNotFoundError:
+        if time.monotonic() < self._next_ok:
             return
-        if st.st_mtime_ns == self._mtime:
+        sig = signature(self.out_dir.lstat(CONTROL))
+        if sig is None or sig == self._seen:
             return
-        self._mtime = st.st_mtime_ns
-        req = json.loads(self.control.read_text())
-        hid = req.get("id") if isinstance(req, dict) else None
-        if not isinstance(hid, str) or not _ID.match(hid) or hid in self._done:
+        self._seen = sig
+        req = read_control(self.out_dir, CONTROL)
+        hid = req.get("id") if req is not None else None
+        if not isinstance(hid, str) or not ID.fullmatch(hid) or hid in self._done:
             return
         asked = req.get("time")
         if not isinstance(asked, (int, float)) or time.time() - asked > STALE_S:
             return  # left by an earlier run in this directory: nobody is waiting for it
         self._done.add(hid)
+        self._next_ok = time.monotonic() + MIN_INTERVAL_S
         try:
             body = flight_recorder_json()
         except Exception as exc:  # noqa: BLE001
             body = json.dumps({"diagnose_error": f"{type(exc).__name__}: {exc}"[:300]}).encode()
-        from probes.core import atomic_write
-
-        d = self.out_dir / f"hang-{hid}"
-        d.mkdir(parents=True, exist_ok=True)
-        atomic_write(d / f"rank{self.rank}.fr.json", body)
+        with self.out_dir.subdir(f"hang-{hid}") as d:
+            d.write_atomic(f"rank{self.rank}.fr.json", body)

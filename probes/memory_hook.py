@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 import time
 
-from probes.core import Probe
+from .core import Probe
 
 MAX_OPTIMIZERS = 16
 

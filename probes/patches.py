@@ -16,7 +16,7 @@ import functools
 import threading
 import time
 
-from probes.core import Probe
+from .core import Probe
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
@@ -108,7 +108,7 @@ def _dataloader(probe: Probe):
 
 
 def _loader_meta(loader) -> dict:
-    from probes.meta import loader_facts
+    from .meta import loader_facts
 
     return loader_facts(loader)
 
@@ -122,7 +122,7 @@ def _optimizer(probe: Probe):
         try:
             if id(opt) not in seen:
                 seen.add(id(opt))
-                from probes.meta import optimizer_facts
+                from .meta import optimizer_facts
 
                 probe.meta.setdefault("optimizers", []).append(optimizer_facts(opt))
             if len(seen) > 1 and id(opt) != next(iter(seen)):
@@ -251,7 +251,7 @@ def _ddp(probe: Probe):
         if not self.__dict__.get("_diagnose_hooked"):
             self.__dict__["_diagnose_hooked"] = True
             try:
-                from probes.meta import model_facts
+                from .meta import model_facts
 
                 probe.meta["model"] = model_facts(self)
                 if not self.__dict__.get("_diagnose_user_hook"):
@@ -274,12 +274,12 @@ def _ddp(probe: Probe):
 
 
 def _memory(probe: Probe):
-    from probes import memory_hook
+    from . import memory_hook
 
     return memory_hook.install(probe)
 
 
 def _checkpoint(probe: Probe):
-    from probes import checkpoint_hook
+    from . import checkpoint_hook
 
     return checkpoint_hook.install(probe)

@@ -11,7 +11,7 @@ import json
 
 import plotly.io as pio
 
-from reports.charts import num
+from .charts import num
 
 MAX_EVENTS = 50      # per finding; the rest stay in diagnosis.json
 MAX_LINES = 200      # warnings / skipped

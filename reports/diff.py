@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reports import charts
-from reports.charts import num
-from reports.common import STATUS_LABEL, ChartSet, _dict, _list, esc, fmt_ms, fmt_share, page
-from reports.html import _severity
+from . import charts
+from .charts import num
+from .common import STATUS_LABEL, ChartSet, _dict, _list, esc, fmt_ms, fmt_share, page
+from .html import _severity
 
 CHANGE_LABEL = {"gone": "GONE", "appeared": "APPEARED", "changed": "CHANGED", "unchanged": "UNCHANGED",
                 "not_flagged": "not flagged"}

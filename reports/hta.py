@@ -1,8 +1,8 @@
 """The HTA second-opinion section of the report (what `diagnose.hta` attached to extras)."""
 from __future__ import annotations
 
-from reports.common import _dict, _list, esc, fmt_ms, fmt_ranks, fmt_share, fmt_value
-from reports.charts import num
+from .common import _dict, _list, esc, fmt_ms, fmt_ranks, fmt_share, fmt_value
+from .charts import num
 
 HTA_STATUS_LINE = {
     "not_requested": "HTA evidence was not requested (run with --hta to add Holistic Trace Analysis as a second "

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reports import charts
-from reports.charts import num
-from reports.common import (MAX_EVENTS, MAX_LINES, STATUS_LABEL, STATUS_MARK, ChartSet, _dict, _list,
+from . import charts
+from .charts import num
+from .common import (MAX_EVENTS, MAX_LINES, STATUS_LABEL, STATUS_MARK, ChartSet, _dict, _list,
                             _plotly_js, esc, fmt_dur, fmt_ms, fmt_ranks, fmt_share, fmt_ts, fmt_value, page)
 
 __all__ = ["render", "write_report", "_plotly_js"]  # _plotly_js: the tests check it is inlined once
-from reports.hta import _hta_for_check, _hta_section
+from .hta import _hta_for_check, _hta_section
 
 # -------------------------------------------------------------- sections ---
 

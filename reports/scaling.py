@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from reports.common import ChartSet, _dict, _list, esc, fmt_ms, fmt_share, page
-from reports.charts import num
+from .common import ChartSet, _dict, _list, esc, fmt_ms, fmt_share, page
+from .charts import num
 
 LABELS = {
     "dataloader_starvation": "DataLoader wait",

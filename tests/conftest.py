@@ -20,6 +20,15 @@ def shared(name: str) -> Path:
     return p
 
 
+def run_dir(out: Path) -> Path:
+    """The one run directory `diagnose run --out OUT` made in OUT (it writes into a fresh OUT/<time>/)."""
+    from diagnose.rundir import run_dirs
+
+    runs = run_dirs(out)
+    assert len(runs) == 1, f"expected one run directory in {out}, found {[r.name for r in runs]}"
+    return runs[0]
+
+
 def torchrun(out: Path, *args: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the example DDP job for real (gloo, CPU), writing profiler traces to out."""
     pytest.importorskip("torch")

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from diagnose.cli import main
 from diagnose.diff import diff_diagnoses, diff_summary
-from reports.diff import render_diff
+from diagnose.reports.diff import render_diff
 from tests.conftest import ROOT, shared
 
 NW0, NW4 = "kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4"

@@ -12,7 +12,8 @@ import pytest
 
 from diagnose.live import render, snapshot
 from diagnose.oncall import live_tails
-from tests.conftest import EXAMPLE, ROOT, _free_port
+from diagnose.rundir import run_dirs
+from tests.conftest import EXAMPLE, ROOT, _free_port, run_dir
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("torch")
@@ -29,7 +30,8 @@ def start_job(out, *args, schedule="off", run_flags=()):
 def wait_for_steps(out, n, timeout=90):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        d = out / "traces"
+        runs = run_dirs(out)  # `diagnose run` writes into a fresh OUT/<time>/
+        d = runs[0] / "traces" if runs else out / "traces"
         if d.exists() and len(live_tails(d)) == 2 and all(len(t) >= n for t in live_tails(d).values()):
             return
         time.sleep(0.5)
@@ -56,7 +58,7 @@ def test_capture_a_running_job(tmp_path):
         res = cli("capture", str(tmp_path), "--steps", "4", "--timeout", "90")
         assert res.returncode == 0, res.stderr[-3000:]
         assert res.stdout.startswith("VERDICT: Straggler"), res.stdout
-        cap = next((tmp_path / "traces").glob("capture-*"))
+        cap = next((run_dir(tmp_path) / "traces").glob("capture-*"))
         d = json.loads((cap / "diagnosis.json").read_text())
         assert d["findings"][0]["id"] == "straggler" and d["findings"][0]["ranks"] == [1]
         s0, s1 = (profiler_steps(cap / f"rank{r}.pt.trace.json.gz") for r in (0, 1))
@@ -66,7 +68,7 @@ def test_capture_a_running_job(tmp_path):
     assert job.returncode == 0, err[-3000:]
     # the job ran every step it was asked for, capture or not
     for r in (0, 1):
-        lines = (tmp_path / "traces" / f"rank{r}.steps.jsonl").read_text().splitlines()
+        lines = (run_dir(tmp_path) / "traces" / f"rank{r}.steps.jsonl").read_text().splitlines()
         assert len(lines) == steps
 
 
@@ -80,7 +82,7 @@ def test_stuck_rank_is_reported_not_waited_for(tmp_path):
         res = cli("capture", str(tmp_path), "--steps", "3", "--timeout", "15")
         assert time.monotonic() - t < 60
         assert "rank 1 did not reach step" in res.stderr, res.stderr
-        cap = next((tmp_path / "traces").glob("capture-*"))
+        cap = next((run_dir(tmp_path) / "traces").glob("capture-*"))
         assert (cap / "rank0.pt.trace.json.gz").exists() and not (cap / "rank1.pt.trace.json.gz").exists()
         d = json.loads((cap / "diagnosis.json").read_text())
         assert d["run"]["ranks_missing"] == [1]
@@ -122,7 +124,7 @@ def test_hang_names_the_rank_that_did_not_enter_the_collective(tmp_path):
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith("HANG HINT: rank(s) 1 did not enter"), res.stdout
         assert "rank(s) 0 entered collective #" in res.stdout and "rank 1: last entered #" in res.stdout
-        dumps = list((tmp_path / "traces").glob("hang-*/rank*.fr.json"))
+        dumps = list((run_dir(tmp_path) / "traces").glob("hang-*/rank*.fr.json"))
         assert sorted(p.name for p in dumps) == ["rank0.fr.json", "rank1.fr.json"]
         # the same dumps, read offline, give the same verdict
         offline = cli("hang", str(dumps[0].parent))

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from diagnose.pipeline import diagnose_paths
-from tests.conftest import EXAMPLE, ROOT, _free_port
+from tests.conftest import EXAMPLE, ROOT, _free_port, run_dir
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("torch")
@@ -25,7 +25,7 @@ def diagnose_run(out, *script_args, nproc=2, schedule="2,2,5"):
 
 
 def verdict(out):
-    return json.loads((out / "diagnosis.json").read_text())
+    return json.loads((run_dir(out) / "diagnosis.json").read_text())
 
 
 @pytest.mark.parametrize("pathology, top, ranks", [
@@ -40,8 +40,8 @@ def test_injected_cause_ranks_first(tmp_path, pathology, top, ranks):
     assert d["findings"][0]["id"] == top, res.stdout
     if ranks:
         assert d["findings"][0]["ranks"] == ranks
-    assert (tmp_path / "report.html").exists()
-    sidecars = sorted(p.name for p in (tmp_path / "traces").glob("rank*.probe.json"))
+    assert (run_dir(tmp_path) / "report.html").exists()
+    sidecars = sorted(p.name for p in (run_dir(tmp_path) / "traces").glob("rank*.probe.json"))
     assert sidecars == ["rank0.probe.json", "rank1.probe.json"]
 
 
@@ -100,7 +100,7 @@ def test_unwritable_output_training_survives(tmp_path):
 
 def test_rank_exiting_early_is_reported_missing(tmp_path):
     res = diagnose_run(tmp_path, "--exit-early-rank", "1", "--exit-early-step", "5", schedule="1,1,6")
-    d = diagnose_paths([tmp_path / "traces"])
+    d = diagnose_paths([run_dir(tmp_path) / "traces"])
     assert d.run.ranks_missing == (1,)
     assert any("1 of 2 ranks" in w for w in d.warnings)
 

@@ -27,7 +27,8 @@ def test_straggler_is_the_largest_bar_and_runs_reanalyse(tmp_path):
     s, res = scale(tmp_path, "--pathology", "straggler")
     assert s["waterfall"][0]["id"] == "straggler", res.stdout
     assert "unexplained" in [b["id"] for b in s["waterfall"]]
-    assert (tmp_path / "report.html").exists() and (tmp_path / "n2" / "diagnosis.json").exists()
+    assert (tmp_path / "report.html").exists() and list(tmp_path.glob("n2/*/diagnosis.json"))
+    # each size ran in a fresh run directory under OUT/nN/; --runs takes that parent (its newest run)
     # the same analysis post hoc from the saved run directories
     again = subprocess.run([sys.executable, "-m", "diagnose.cli", "scale", "--runs", f"1={tmp_path / 'n1'}",
                             "--runs", f"2={tmp_path / 'n2'}", "--out", str(tmp_path / "again")],

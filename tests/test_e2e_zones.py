@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from diagnose.pipeline import diagnose_paths
-from tests.conftest import ROOT, _free_port
+from tests.conftest import ROOT, _free_port, run_dir
 
 pytestmark = pytest.mark.e2e
 torch = pytest.importorskip("torch")
@@ -108,6 +108,7 @@ def ddp_ckpt(tmp_path_factory) -> tuple[Path, dict]:
                        f"--master_port={_free_port()}", str(CHECKPOINT), "--steps", "12", "--save-every", "3",
                        "--save-mode", "direct", "--save-dir", str(out / "ckpt"))
     assert res.returncode == 0, res.stderr[-3000:]
+    out = run_dir(out)  # `diagnose run` wrote into a fresh OUT/<time>/
     return out, checks(out / "traces")
 
 
@@ -167,7 +168,7 @@ def test_atomic_saves_are_not_direct_writes(tmp_path):
                        f"--master_port={_free_port()}", str(CHECKPOINT), "--steps", "7", "--save-every", "3",
                        "--save-mode", "atomic", "--save-dir", str(tmp_path / "ckpt"))
     assert res.returncode == 0, res.stderr[-3000:]
-    m = checks(tmp_path / "traces")["checkpoint_io"].finding.metrics
+    m = checks(run_dir(tmp_path) / "traces")["checkpoint_io"].finding.metrics
     assert m["risk_direct_writes"] == "none" and m["checkpoints"] == 2
 
 
@@ -178,7 +179,7 @@ def test_gpu_memory_peaks_and_item_syncs(tmp_path):
     res = diagnose_run(tmp_path, sys.executable, str(CHECKPOINT), "--steps", "12", "--save-every", "0",
                        "--log-every", "1", "--batch-size", "4096")
     assert res.returncode == 0, res.stderr[-3000:]
-    c = checks(tmp_path / "traces")
+    c = checks(run_dir(tmp_path) / "traces")
     mem = c["device_memory"]
     m = mem.finding.metrics
     assert mem.status in ("passed", "flagged") and m["device"] == "cuda"

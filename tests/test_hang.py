@@ -79,15 +79,16 @@ def test_hostile_names_stay_on_one_line():
 def test_probe_answers_a_fresh_request_once_and_ignores_a_stale_one(tmp_path):
     import time
 
-    from probes.hang import HangWatcher
+    from diagnose.probes.hang import HangWatcher
+    from diagnose.probes.safefs import SafeDir
 
     errors = []
-    w = HangWatcher(tmp_path, rank=3, on_error=errors.append)
+    w = HangWatcher(SafeDir.open(tmp_path), rank=3, on_error=errors.append)
     (tmp_path / "hang.json").write_text(json.dumps({"id": "old", "time": time.time() - 3600}))
     w.poll()
     assert not list(tmp_path.glob("hang-*"))
     (tmp_path / "hang.json").write_text(json.dumps({"id": "abc", "time": time.time()}))
-    w._mtime = None  # the file system's mtime may not tick within one test
+    w._seen = None  # the file system's mtime may not tick within one test
     w.poll()
     body = json.loads((tmp_path / "hang-abc" / "rank3.fr.json").read_text())
     # this process has no process group: torch's recorder answers empty (no entries key at all)

@@ -20,7 +20,7 @@ from diagnose.hta import COULD_NOT, Analysis, HtaResult, attach_hta, hta_summary
 from diagnose.hta.compare import compare, hta_extras
 from diagnose.hta.worker import STALL_ENV
 from diagnose.output import diagnosis_dict
-from reports.html import render
+from diagnose.reports.html import render
 from tests.conftest import ROOT, shared
 
 GPU_SETS = ["param_dlrm_8rank_v100", "hta_nccl_data_rank0of2_a100", "hta_sampled_2rank_of128",
@@ -158,7 +158,7 @@ sys.modules['hta'] = None  # 'import hta' now raises ImportError
 from diagnose.pipeline import diagnose_paths
 from diagnose.hta import attach_hta
 from diagnose.output import diagnosis_dict
-from reports.html import write_report
+from diagnose.reports.html import write_report
 d = diagnose_paths([{str(trace)!r}])
 d2 = attach_hta(d, [{str(trace)!r}])
 write_report(d2, __import__('pathlib').Path({str(tmp_path)!r}))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from reports.html import _plotly_js, render, write_report
+from diagnose.reports.html import _plotly_js, render, write_report
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SETS = ["param_dlrm_8rank_v100", "kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4",

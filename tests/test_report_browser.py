@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reports.html import render
+from diagnose.reports.html import render
 
 try:  # `python -m pytest` puts the repo root on sys.path; plain `pytest` puts tests/ there
     from tests.test_report import diagnosis_json, hostile_diagnosis

@@ -94,7 +94,7 @@ def test_microbatch_labels_of_torch_pipelining():
                                         ("ckpt_step3.pt.tmp", True), (".ckpt.pt.x1y2", True),
                                         ("tmpab12cd", True), ("ckpt.partial", True)])
 def test_temp_names(name, temp):
-    from probes.checkpoint_hook import TEMP_NAME
+    from diagnose.probes.checkpoint_hook import TEMP_NAME
 
     assert bool(TEMP_NAME.search(name)) == temp
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from diagnose.errors import one_line
 from diagnose.hta.compare import hta_extras
 from diagnose.hta.runner import (COULD_NOT, DEFAULT_BUDGET_MB, DEFAULT_TIMEOUT_S, Analysis, HtaResult,
                                  hta_importable, run_hta)
@@ -66,21 +67,18 @@ def hta_summary(diagnosis: Diagnosis) -> str:
     h = diagnosis.extras.get("hta") or {"status": "not_requested", "reason": NOT_REQUESTED}
     status = h.get("status")
     if status != "ok":
-        return f"HTA second opinion: {h.get('reason') or status}"
+        return one_line(f"HTA second opinion: {h.get('reason') or status}")
     lines = ["HTA second opinion (Holistic Trace Analysis " + str(h.get("hta_version") or "?") + "):"]
     for cid, e in (h.get("by_check") or {}).items():
         verdict = {True: "agrees", False: "DISAGREES", None: "not compared"}[e.get("agrees")]
-        lines.append(f"  {cid}: {verdict}. HTA says: {_printable(e.get('hta_says', ''))}")
+        lines.append(f"  {cid}: {verdict}. HTA says: {str(e.get('hta_says', ''))}")
         if e.get("disagreement"):
-            lines.append(f"    {_printable(e['disagreement'])[:400]}")
+            lines.append(f"    {str(e['disagreement'])[:400]}")
     run = h.get("run") or {}
     if run.get("hta_says"):
-        lines.append(f"  run: {_printable(run['hta_says'])}")
+        lines.append(f"  run: {str(run['hta_says'])}")
     cp = h.get("critical_path") or {}
     if cp.get("hta_says"):
-        lines.append(f"  critical path: {_printable(cp['hta_says'])}")
-    return "\n".join(lines)
+        lines.append(f"  critical path: {str(cp['hta_says'])}")
+    return "\n".join(one_line(line) for line in lines)  # HTA's text comes from the traces: untrusted
 
-
-def _printable(s: str) -> str:
-    return "".join(ch if ch.isprintable() else "?" for ch in str(s))

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from diagnose.errors import DiagnoseError
+from diagnose.ingest.source import ReadState, iter_blocks
 
 Status = Literal["ok", "not_requested", "not_installed", "failed", "skipped"]
 COULD_NOT = "HTA could not analyse this trace: "
@@ -77,15 +79,31 @@ def hta_importable() -> str | None:
     return None
 
 
-def expanded_bytes(path: Path) -> int:
-    """Uncompressed size: gzip's trailer holds it (mod 4 GiB, enough for a budget check)."""
-    size = path.stat().st_size
-    if path.name.endswith(".gz") and size >= 18:
-        with open(path, "rb") as f:
-            f.seek(-4, os.SEEK_END)
-            isize = struct.unpack("<I", f.read(4))[0]
-        return max(isize, size)
-    return size
+def expanded_bytes(path: Path, limit: int) -> int:
+    """Uncompressed size, counted up to just past `limit` by streaming the file through ingest's
+    reader (every gzip member in turn). Not the gzip trailer's size field: it describes the last
+    member only, so appending an empty member made a huge trace look empty to the budget."""
+    if not _is_gzip(path):
+        return path.stat().st_size
+    state = ReadState(path=path, max_bytes=limit)
+    try:
+        for _ in iter_blocks(state):
+            pass
+    except DiagnoseError as exc:
+        if state.total > limit:
+            return state.total
+        raise OSError(str(exc)) from None
+    return state.total
+
+
+def _total_expanded(paths: list[Path], budget: int) -> int:
+    """All ranks' uncompressed bytes; once over the budget, the count stops (the answer is known)."""
+    total = 0
+    for p in paths:
+        total += expanded_bytes(p, budget - total)
+        if total > budget:
+            break
+    return total
 
 
 def _stage(files: dict[int, Path], root: Path) -> dict[int, str]:
@@ -150,14 +168,16 @@ def run_hta(files: dict[int, str | Path], *, budget_mb: float = DEFAULT_BUDGET_M
     paths = {int(r): Path(p) for r, p in files.items()}
     if not paths:
         return HtaResult("failed", COULD_NOT + "no trace files were given")
+    budget = int(budget_mb * 1024**2)
     try:
-        total = sum(expanded_bytes(p) for p in paths.values())
+        total = _total_expanded(list(paths.values()), budget)
     except OSError as exc:
         return HtaResult("failed", COULD_NOT + f"cannot read the trace files ({exc})")
-    if total > budget_mb * 1024**2:
-        return HtaResult("skipped", f"HTA was not run: the traces expand to {total / 1024**2:,.0f} MB, over the "
-                         f"{budget_mb:,.0f} MB budget (HTA's load time and memory grow with trace size; "
-                         "raise the budget to run it anyway)")
+    if total > budget:
+        # counting stopped past the budget: the figure is a lower bound
+        return HtaResult("skipped", f"HTA was not run: the traces expand to at least {total / 1024**2:,.0f} MB, over "
+                         f"the {budget_mb:,.0f} MB budget (HTA's load time and memory grow with trace size; raise "
+                         "the budget to run it anyway)")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diagnose-hta-") as tmp:
         root = Path(tmp)

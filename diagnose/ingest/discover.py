@@ -46,6 +46,8 @@ def _listdir(directory: Path) -> list[Path]:
 def _subdirs_with_traces(directory: Path) -> list[Path]:
     out = []
     for d in sorted(_listdir(directory)):
+        if d.name.startswith("."):
+            continue  # a writer's private temp directory (safefs): its contents are not published yet
         try:
             if d.is_dir() and _candidates(d):
                 out.append(d)

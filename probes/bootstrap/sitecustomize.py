@@ -2,12 +2,19 @@
 
 Waits for `torch` to be imported by the user's script, then installs the probes.
 Never raises: a probe must not stop a job from starting.
+
+This directory holds this file only, and the probes are loaded from the absolute path in
+DIAGNOSE_PROBE_PKG under a private module name: nothing of the tool's install (site-packages, a
+checkout) is put ahead of the user's own PYTHONPATH, and no module of the user's named `probes`,
+`reports` or `diagnose` is shadowed or imported by mistake.
 """
 import importlib.abc
 import importlib.util
 import importlib.machinery
 import os
 import sys
+
+_PRIVATE_NAME = "_diagnose_probes"
 
 
 def _chain_previous_sitecustomize():
@@ -22,6 +29,23 @@ def _chain_previous_sitecustomize():
             except Exception:  # noqa: BLE001
                 pass
             return
+
+
+def _load_probes():
+    """The probes package from its absolute path; its modules import each other relatively."""
+    if _PRIVATE_NAME in sys.modules:
+        return sys.modules[_PRIVATE_NAME]
+    pkg = os.environ["DIAGNOSE_PROBE_PKG"]
+    spec = importlib.util.spec_from_file_location(_PRIVATE_NAME, os.path.join(pkg, "__init__.py"),
+                                                  submodule_search_locations=[pkg])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[_PRIVATE_NAME] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[_PRIVATE_NAME]
+        raise
+    return mod
 
 
 class _AfterTorchImport(importlib.abc.MetaPathFinder):
@@ -40,9 +64,7 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
         def exec_module(module):
             orig_exec(module)
             try:
-                from probes import install_from_env
-
-                install_from_env()
+                _load_probes().install_from_env()
             except Exception as exc:  # noqa: BLE001
                 sys.stderr.write(f"diagnose probe: not installed ({exc}); training continues\n")
 
@@ -50,6 +72,6 @@ class _AfterTorchImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("DIAGNOSE_PROBE_DIR") and "torch" not in sys.modules:
+if os.environ.get("DIAGNOSE_PROBE_DIR") and os.environ.get("DIAGNOSE_PROBE_PKG") and "torch" not in sys.modules:
     sys.meta_path.insert(0, _AfterTorchImport())
 _chain_previous_sitecustomize()
