@@ -322,7 +322,8 @@ def _dirs(paths: list[str | Path]) -> list[Path]:
         out.append(d)
         if p.is_dir():
             try:
-                out += [s for s in sorted(d.iterdir()) if s.is_dir()]
+                # hidden: a writer's private temp directory (safefs), its files not published yet
+                out += [s for s in sorted(d.iterdir()) if s.is_dir() and not s.name.startswith(".")]
             except OSError:
                 continue
     return out

@@ -15,8 +15,8 @@ def test_straggler_rank1_is_named(tmp_path):
     d = diagnose_paths([tmp_path])
     assert d.findings[0].id == "straggler"
     assert d.findings[0].ranks == (1,)
-    # the injected 50 ms sleep; CPU contention on a 2-core host moves it by tens of ms
-    assert d.findings[0].recoverable_ms > 20
+    # the injected 150 ms sleep; CPU contention on a 2-core host moves it by tens of ms
+    assert d.findings[0].recoverable_ms > 80
 
 
 def test_slow_getitem_dataloader_ranks_first(tmp_path):

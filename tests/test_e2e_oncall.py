@@ -49,7 +49,7 @@ def profiler_steps(path):
 
 
 def test_capture_a_running_job(tmp_path):
-    steps = 350  # about a minute at ~160 ms per step (the straggler sleeps 50 ms of them)
+    steps = 250  # about a minute at ~260 ms per step (the straggler sleeps 150 ms of them)
     job = start_job(tmp_path, "--pathology", "straggler", "--steps", str(steps))
     try:
         wait_for_steps(tmp_path, 5)
