@@ -15,6 +15,7 @@ FindingId = Literal[
     "exposed_communication",
     "straggler",
     "launch_overhead",
+    "device_wait",
     "device_memory",
     "pipeline_bubble",
     "checkpoint_io",
@@ -31,6 +32,7 @@ CHECK_ORDER: tuple[str, ...] = (
     "exposed_communication",
     "straggler",
     "launch_overhead",
+    "device_wait",
     # beyond the four classic causes: capacity, schedule, I/O and synchronisation
     "device_memory",
     "pipeline_bubble",

@@ -80,6 +80,36 @@ class Thresholds:
     step: a blocking sync stalls the device queue exactly like a blocking host-to-device
     copy, so it takes the input-stall floor."""
 
+    sched_latency_us: float = 5.0
+    """Device idle gaps up to 5 us are scheduling latency, not a cause: a kernel queued behind
+    another on the same stream starts about 1-5 us after it ends on V100/A100/H100 (the
+    device's own dispatch; CUDA-graph replays shave it to about 1-2 us), so no host or
+    schedule change removes them. Also the slack when matching a gap start to a host call:
+    host and device clocks in these traces agree within about 10 us."""
+
+    launch_gap_long_us: float = 100.0
+    """A launch gap over 100 us is a host-op stall, not launch rate: eager PyTorch spends about
+    10-30 us per op between kernel launches (dispatch plus cudaLaunchKernel), so a gap several
+    times that means the host was doing other work (Python, a slow op's CPU side) before it
+    launched the next kernel."""
+
+    device_wait: float = 0.10
+    """Flag queued device idle (work launched, waiting on another stream, a collective or a
+    graph) from 10% of the step: the same level as launch overhead, since both are device idle."""
+
+    host_ahead_delay_us: float = 1000.0
+    """A median launch delay (kernel start minus its launch call's end) of 1 ms or more means
+    the host runs far ahead of the device: launches are not what the device waits for, so
+    launch overhead cannot be the top cause unless the host-launch idle class itself is large."""
+
+    same_stream_suspect: float = 0.5
+    """When over half of the queued idle is same-stream (impossible in a complete trace: a stream
+    runs queued work at once), events are missing and the queued figure is a bound."""
+
+    min_linked_share: float = 0.5
+    """Under half of the device events linked to their launch call: the launch links cannot
+    attribute the idle time (sampled or filtered trace)."""
+
     healthy_floor_ms: float = 0.05
     """Ignore causes under 50 us per step: below timer and alignment noise."""
 

@@ -24,7 +24,8 @@ def test_new_checks_follow_the_classic_four():
     assert CHECK_ORDER[-4:] == NEW
     names = [e.name for e in CHECKLIST]
     assert names[:4] == ["dataloader", "communication", "straggler", "launch_overhead"]
-    assert names[4:] == list(NEW)
+    assert names[4] == "device_wait"  # launch_overhead's complement: queued device idle
+    assert names[5:] == list(NEW)
 
 
 # ---- device memory: the arithmetic engineers do -------------------------------------
@@ -107,14 +108,18 @@ def _check(ctx, analyze):
 
 
 def _raw_sync_idle_ms(path) -> float:
-    """Independent of the analyzer: from the raw JSON, per cudaStreamSynchronize that found the
-    device busy, the device idle from its last activity to its next one; summed, in ms."""
+    """Independent of the analyzer: from the raw JSON, per cudaStreamSynchronize (or cudaMemcpyAsync
+    whose copy has a pageable side: it blocks the host the same way) that found the device busy,
+    the device idle from its last activity to its next one; summed, in ms."""
     with gzip.open(path) as f:
         ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     dev = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     step = next(e for e in ev if str(e.get("name", "")).startswith("ProfilerStep#"))
+    pageable = {(e.get("args") or {}).get("correlation") for e in ev
+                if e.get("cat") == "gpu_memcpy" and "Pageable" in str(e.get("name"))}
     total = 0.0
-    for s in (e for e in ev if e.get("name") == "cudaStreamSynchronize"):
+    for s in (e for e in ev if e.get("name") == "cudaStreamSynchronize" or (
+            e.get("name") == "cudaMemcpyAsync" and (e.get("args") or {}).get("correlation") in pageable)):
         s0, s1 = s["ts"], s["ts"] + s["dur"]
         if not step["ts"] <= s0 < step["ts"] + step["dur"]:
             continue
@@ -135,21 +140,23 @@ def test_host_syncs_on_dlrm():
     f = c.finding
     assert c.status in ("passed", "flagged") and f is not None
     m = f.metrics
-    assert m["sync_calls_per_step"] == 10  # every rank: 10 cudaStreamSynchronize per step
-    assert m["calls_by_name_all_ranks"] == "cudaStreamSynchronize x80"
+    # every rank: 10 cudaStreamSynchronize and 10 pageable cudaMemcpyAsync per step
+    assert m["sync_calls_per_step"] == 20
+    assert m["calls_by_name_all_ranks"] == "cudaMemcpyAsync x80, cudaStreamSynchronize x80"
     assert m["calls_by_cause_all_ranks"].startswith(".cpu() / .to()")  # all under aten::to / _to_copy / copy_
     raw = _raw_sync_idle_ms(sorted(path.glob("worker0_*.json.gz"))[0])
     assert m["rank0_sync_idle_ms"] == pytest.approx(raw, abs=1e-3)
     assert 0 < f.recoverable_ms < 0.05 * ctx.mean_step_ms  # a few tenths of a ms on a 14-20 ms step
     assert c.status == "passed"
     ev = f.events[0]
-    assert ev.name == "cudaStreamSynchronize" and ev.step is not None and "device then idle" in ev.note
+    assert ev.name in ("cudaStreamSynchronize", "cudaMemcpyAsync") and ev.step is not None
+    assert "device then idle" in ev.note
 
 
 def test_host_syncs_on_other_gpu_traces():
     ctx = build_context(load_run([shared("kineto_resnet50_dataloader_v100/nw0")], reduce=reduce_rank))
     f = _check(ctx, host_sync.analyze).finding
-    assert f.metrics["sync_calls_per_step"] == 2  # the blocking input copies
+    assert f.metrics["sync_calls_per_step"] == 4  # the blocking input copies and their pageable cudaMemcpyAsync
     assert f.metrics["calls_by_cause_all_ranks"].startswith(".cpu() / .to() / copy_")
     ctx = build_context(load_run([shared("hta_nccl_data_rank0of2_a100")], reduce=reduce_rank))
     f = _check(ctx, host_sync.analyze).finding

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from diagnose.analyzers import (checkpoint, communication, dataloader, host_sync, launch, memory,
+from diagnose import idle
+from diagnose.analyzers import (checkpoint, communication, dataloader, device_wait, host_sync, launch, memory,
                                 pipeline_bubbles, straggler)
 from diagnose.context import Context
 from diagnose.errors import one_line
@@ -22,7 +23,8 @@ from diagnose.thresholds import Thresholds
 from diagnose.timeline import RankTimeline
 
 Analyzer = Callable[[Context, Thresholds], list[Check]]
-Reducer = Callable[[RankTrace, RankTimeline], object]
+Reducer = Callable[..., object]
+"""reduce(trace, timeline) -> summary; with uses_idle, also idle_gaps=IdleModel (GPU ranks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,18 +32,22 @@ class Entry:
     name: str
     analyze: Analyzer
     reduce: Reducer | None = None
+    uses_idle: bool = False
+    """The per-rank phase reads the rank's idle model (diagnose/idle.py), built once per rank."""
 
 
 CHECKLIST: tuple[Entry, ...] = (
     Entry("dataloader", dataloader.analyze, dataloader.reduce),
     Entry("communication", communication.analyze),
     Entry("straggler", straggler.analyze),
-    Entry("launch_overhead", launch.analyze, launch.reduce),
+    Entry("launch_overhead", launch.analyze, launch.reduce, uses_idle=True),
+    # the queued idle launch_overhead leaves out: work launched, device waiting on something else
+    Entry("device_wait", device_wait.analyze, device_wait.reduce, uses_idle=True),
     # after the four classic checks: capacity, schedule, I/O, synchronisation
     Entry("device_memory", memory.analyze),
     Entry("pipeline_bubble", pipeline_bubbles.analyze, pipeline_bubbles.reduce),
     Entry("checkpoint_io", checkpoint.analyze, checkpoint.reduce),
-    Entry("host_sync", host_sync.analyze, host_sync.reduce),
+    Entry("host_sync", host_sync.analyze, host_sync.reduce, uses_idle=True),
 )
 
 
@@ -49,11 +55,20 @@ def reduce_rank(trace: RankTrace, tl: RankTimeline) -> tuple[dict[str, object], 
     """Every check's per-rank phase on one rank: (summaries by check name, evidence rows)."""
     facts: dict[str, object] = {}
     rows: set[int] = set()
+    gaps: idle.IdleModel | None = None
+    gaps_error: str | None = None
+    if tl.is_gpu:
+        try:  # one model of the device's idle time per rank, read by every check that talks about it
+            gaps = idle.idle_model(trace, tl)
+        except Exception as exc:  # noqa: BLE001 - those checks fail on this rank; the others go on
+            gaps_error = one_line(f"idle model: {type(exc).__name__}: {exc}")[:300]
     for e in CHECKLIST:
         if e.reduce is None:
             continue
         try:
-            f = e.reduce(trace, tl)
+            if e.uses_idle and gaps_error:
+                raise RuntimeError(gaps_error)
+            f = e.reduce(trace, tl, idle_gaps=gaps) if e.uses_idle else e.reduce(trace, tl)
         except Exception as exc:  # one check's bug must not cost the user the file or the other checks
             facts[e.name] = ReduceFailed(one_line(f"{type(exc).__name__}: {exc}")[:300])
             continue

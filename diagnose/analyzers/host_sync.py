@@ -6,17 +6,16 @@ device has drained its queue. The device then sits idle until the host has launc
 work: the cost of the sync is that idle, not the call's own duration (while the host
 waits, the device is still busy with work queued earlier).
 
-Estimation: per rank, for every synchronising call inside a step whose wait actually
-drained the device (the device was busy when the call began and idle when it returned),
-the interval from the end of the device's last activity to the start of its next activity
-(kernel, copy or memset on any stream), outside DataLoader waits; the union of these
-intervals per step, mean over steps; job-level: the median rank. Each call is attributed
+Estimation: the sync class of the idle model (diagnose/idle.py): per rank, every device
+idle gap whose ending work was launched by a thread that was inside a synchronising call
+(or a cudaMemcpyAsync with a pageable side, which blocks the same way) when the device went
+idle; the whole gap, from the end of the device's last activity to the start of its next
+activity, counts here and nowhere else; mean over steps; job-level: the median rank. Each call is attributed
 to the innermost CPU op around it on the same thread (aten::_local_scalar_dense = .item(),
 aten::_to_copy / copy_ = .cpu() / .to(), aten::nonzero = data-dependent shapes; none =
 an explicit synchronize()).
 
-The part of this idle after the sync returns is host time launching the next work, which
-the launch_overhead check also counts (it excludes only the sync calls themselves).
+No other check counts these gaps (launch_overhead takes only the host-launch class).
 CPU-only traces have no device queue: .item() and .cpu() cost nothing extra there, and the
 check says it cannot be measured.
 """
@@ -28,11 +27,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
+from diagnose import idle
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
 from diagnose.context import Context
-from diagnose.ingest.load import (KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_MEMCPY, KIND_MEMSET, KIND_RUNTIME,
-                                  RankTrace)
-from diagnose.intervals import covered, subtract, union
+from diagnose.ingest.load import KIND_CPU_OP, KIND_MEMCPY, KIND_RUNTIME, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
 from diagnose.timeline import RankTimeline, _names_matching
@@ -44,10 +42,7 @@ FIX = ("Keep the step free of host-device syncs: leave losses and metrics on the
        "in the loop, replace data-dependent ops (nonzero, boolean-mask indexing) with fixed-shape ones "
        "(torch.where), copy with non_blocking=True into pinned memory, and drop torch.cuda.synchronize() "
        "outside benchmarks. torch.cuda.set_sync_debug_mode('warn') names every sync with its stack.")
-SYNC_CALL = re.compile(
-    r"^(cuda|hip)(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy|Memcpy2D|Memcpy3D|MemcpyDtoH|"
-    r"MemcpyHtoD|MemcpyFromSymbol|MemcpyToSymbol)$|^cu(StreamSynchronize|CtxSynchronize|EventSynchronize|"
-    r"MemcpyDtoH|MemcpyHtoD)(_v2)?$")
+SYNC_CALL = idle.SYNC_CALL
 ITEM = re.compile(r"^aten::(_local_scalar_dense|item)$")
 _CAUSES = (
     (ITEM, ".item() (a Python number from a device tensor)"),
@@ -111,37 +106,28 @@ class RankSyncs:
         return tuple(t[0] for t in self.top)
 
 
-def reduce(trace: RankTrace, tl: RankTimeline) -> RankSyncs:
+def reduce(trace: RankTrace, tl: RankTimeline, idle_gaps: idle.IdleModel | None = None) -> RankSyncs:
     ev = trace.events
     has_runtime = bool((ev["kind"] == KIND_RUNTIME).any())
     item_calls = int((ev["name"] == "aten::item").sum())
     if not tl.is_gpu or not has_runtime:
         return RankSyncs(has_runtime=has_runtime, item_calls=item_calls)
     lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-    calls = ev[(ev["kind"] == KIND_RUNTIME).to_numpy() & _names_matching(ev, SYNC_CALL)]
+    m = idle_gaps or idle.idle_model(trace, tl)
+    pageable = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, idle.PAGEABLE)]["corr"]
+    is_call = (ev["kind"] == KIND_RUNTIME).to_numpy() & (
+        _names_matching(ev, SYNC_CALL) | ev["corr"].isin(pageable[pageable >= 0]).to_numpy())
+    calls = ev[is_call]
     in_step = np.zeros(len(calls), dtype=bool)
     ts = calls["ts"].to_numpy()
     for s, e in zip(lo, hi):
         in_step |= (ts >= s) & (ts < e)
     calls = calls[in_step]
-    dev = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY, KIND_MEMSET]).to_numpy()]
-    busy = union(dev["ts"], dev["ts"] + dev["dur"])
-    starts, ends = busy.starts, busy.ends
-    idle_lo, idle_hi, caused = [], [], []
-    for c0, c1 in zip(calls["ts"].to_numpy(), (calls["ts"] + calls["dur"]).to_numpy()):
-        j = int(np.searchsorted(starts, c1, side="right")) - 1
-        if j >= 0 and ends[j] > c1:
-            caused.append(0.0)  # other work still runs on the device: this call drained nothing
-            continue
-        last_end = ends[j] if j >= 0 else -np.inf
-        if last_end < c0 or j + 1 >= len(starts):
-            caused.append(0.0)  # the queue was already empty: the idle is the host's, not the sync's
-            continue
-        idle_lo.append(last_end)
-        idle_hi.append(starts[j + 1])
-        caused.append(starts[j + 1] - last_end)
-    idle = subtract(union(np.asarray(idle_lo, dtype=float), np.asarray(idle_hi, dtype=float)), tl.dataloader)
-    per_step_ms = covered(idle, lo, hi) / 1000
+    # the idle each call caused: the sync-class gaps the idle model attributes to it (time inside steps)
+    own = m.cls == idle.SYNC
+    caused_by_row = pd.Series(m.in_steps_us[own]).groupby(m.sync_row[own]).sum()
+    caused = caused_by_row.reindex(calls.index, fill_value=0.0).to_numpy()
+    per_step_ms = m.by_class_us[:, idle.SYNC] / 1000
     calls = calls.assign(caused=np.asarray(caused, dtype=float))
     labelled = calls.nlargest(MAX_LABELLED, ["caused", "dur"])
     causes = pd.Series(_innermost_ops(ev, labelled), index=labelled.index, dtype=object)

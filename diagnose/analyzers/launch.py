@@ -1,8 +1,11 @@
 """4. Micro-batch too small / launch (host) overhead.
 
-GPU traces. Estimation: the mean per-step time the device idles (no kernel, copy or
-collective, outside DataLoader waits) while the host is busy in CPU ops other than
-synchronisation calls: the host cannot launch work fast enough. Job-level: median rank.
+GPU traces. Estimation: the host-launch class of the idle model (diagnose/idle.py): per
+step, the device idle ended by work whose launch call returned after the idle began (the
+device waited for the host), outside DataLoader waits and synchronising calls; split into
+short gaps (launch rate) and long gaps (host-op stalls, with the host ops behind them).
+Work that was launched before the idle began (queued) is device_wait's, syncs host_sync's.
+Job-level: median rank.
 
 CPU-only traces. Estimation: per-op overhead = for every op in the step, its self
 time up to that op's fixed cost, taken as the self time of its fastest instance on
@@ -12,49 +15,59 @@ which a larger micro-batch amortises.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 
+from diagnose import idle
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
-from diagnose.intervals import covered, intersect, merge, subtract, union
-from diagnose.ingest.load import (KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_RUNTIME,
-                                  RankTrace)
+from diagnose.intervals import covered
+from diagnose.ingest.load import KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
 from diagnose.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
-                               _names_matching, runtime_launch_delay)
+                               _names_matching)
 
 ID = "launch_overhead"
 TITLE = "Micro-batch too small / launch overhead (device waits for the host)"
 FIX_GPU = ("Give the device bigger, fewer kernels: raise the micro-batch (keep the global batch with gradient "
            "accumulation), torch.compile the model (fuses ops), or capture the step with CUDA graphs; "
            "move Python work out of the step.")
+FIX_STALL = ("The device waits on long host-side stalls between launches: profile the host ops named in the "
+             "evidence (py-spy or torch.profiler with_stack=True), move Python work (logging, metric "
+             "bookkeeping, data reshuffles) out of the step, and avoid allocator-heavy or CPU-side ops in the loop; "
+             "CUDA graphs or torch.compile remove the per-op host time altogether.")
 FIX_CPU = ("Per-op overhead dominates: raise the micro-batch (with gradient accumulation to keep the global "
            "batch), fuse ops with torch.compile, and keep Python work out of the step.")
-SYNC = re.compile(r"Synchronize|cudaMemcpy$|hipMemcpy$|EventQuery|StreamQuery", re.IGNORECASE)
 DENSE = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|conv|_convolution|mkldnn_convolution|"
                    r"cudnn_convolution|_scaled_dot_product|scaled_dot_product|einsum)")
 
 
 @dataclass(frozen=True, slots=True)
 class HostBound:
-    """GPU rank: device idle while the host is busy, and the kernel/launch figures behind it."""
+    """GPU rank: the host-launch class of the idle model (diagnose/idle.py) and the figures behind it."""
 
     ms: float
-    """Mean per-step device idle (outside DataLoader waits) while the host runs non-sync CPU ops."""
+    """Mean per-step device idle waiting for a launch issued after the gap began."""
+    long_ms: float
+    """Its part in gaps over th.launch_gap_long_us (host-op stalls, not launch rate)."""
+    queued_ms: float
+    """The queued class (reported by device_wait, never here), for the cross-check."""
     idle_us: float
-    host_in_idle_us: float
+    launch_us: float
     kernels_per_step: float
     median_kernel_us: float | None
     median_launch_delay_us: float | None
     linked: int
-    """Kernels linked to their launch (correlation ids)."""
+    """Device events inside the steps linked to their launch (correlation ids)."""
     kernels: int
+    """Device events inside the steps."""
+    host_ops: tuple[tuple[str, float], ...]
+    """Innermost host ops during the long launch gaps: (name, ms per step)."""
     evidence: tuple[tuple[int, str], ...]
-    """(row, note): the host ops during the longest such idle gaps."""
+    """(row, note): the kernels that end the longest launch gaps."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,77 +92,105 @@ class RankLaunch:
         return (tuple(r for r, _ in self.gpu.evidence) if self.gpu else ()) + (self.cpu.typical_rows if self.cpu else ())
 
 
-def reduce(trace: RankTrace, tl: RankTimeline) -> RankLaunch:
+def reduce(trace: RankTrace, tl: RankTimeline, idle_gaps: idle.IdleModel | None = None) -> RankLaunch:
+    """idle_gaps: the rank's idle model when the caller built it already (reduce_rank does, once)."""
     if tl.is_gpu:
-        return RankLaunch(gpu=_host_bound(trace.events, tl), cpu=None)
+        return RankLaunch(gpu=_host_bound(trace, tl, idle_gaps or idle.idle_model(trace, tl)), cpu=None)
     return RankLaunch(gpu=None, cpu=_op_overhead(trace.events, tl))
 
 
-def _host_bound(ev: pd.DataFrame, tl: RankTimeline) -> HostBound:
+def _host_bound(trace: RankTrace, tl: RankTimeline, m: idle.IdleModel) -> HostBound:
+    ev = trace.events
     lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-    busy = merge(merge(tl.compute, tl.comm), tl.dataloader)
-    idle = subtract(union(lo, hi), busy)
-    sync = ev[(ev["kind"] == KIND_RUNTIME).to_numpy() & _names_matching(ev, SYNC)]
-    host = subtract(tl.host_busy, union(sync["ts"], sync["ts"] + sync["dur"]))
-    host_idle = intersect(idle, host)
     k = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
     k_in = k[(k["ts"] >= lo.min()) & (k["ts"] < hi.max())]
-    d = runtime_launch_delay(ev)
+    launch = (m.cls == idle.LAUNCH) & (m.end_row >= 0)
     evidence = []
-    # evidence: the longest idle gaps while the host was busy
-    if len(host_idle):
-        for i in np.argsort(host_idle.ends - host_idle.starts)[-2:]:
-            s, e = float(host_idle.starts[i]), float(host_idle.ends[i])
-            ops = ev[(ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()) & (ev["ts"] <= s).to_numpy()
-                     & ((ev["ts"] + ev["dur"]) >= e).to_numpy()]
-            if len(ops):
-                evidence.append((int(ops["dur"].idxmin()), f"device idle {(e - s) / 1000:.2f} ms during this host op"))
-    return HostBound(ms=float(np.mean(covered(host_idle, lo, hi))) / 1000, idle_us=idle.total,
-                     host_in_idle_us=host_idle.total, kernels_per_step=len(k_in) / max(len(lo), 1),
+    for i in np.flatnonzero(launch)[np.argsort(-m.in_steps_us[launch])[:2]]:
+        evidence.append((int(m.end_row[i]), f"device idle {(m.end[i] - m.start[i]) / 1000:.2f} ms before this "
+                         "kernel; its launch call ended after the idle began (the device waited for the host)"))
+        evidence.append((int(m.launch_row[i]), "the launch call of that kernel"))
+    return HostBound(ms=m.class_ms("launch"), long_ms=float(m.launch_long_us.mean()) / 1000,
+                     queued_ms=m.class_ms("queued"), idle_us=float(m.step_idle_us.sum()),
+                     launch_us=float(m.by_class_us[:, idle.LAUNCH].sum()),
+                     kernels_per_step=len(k_in) / max(len(lo), 1),
                      median_kernel_us=float(np.median(k_in["dur"])) if len(k_in) else None,
-                     median_launch_delay_us=float(np.median(d)) if d.size else None, linked=int(d.size),
-                     kernels=len(k), evidence=tuple(evidence))
+                     median_launch_delay_us=m.median_launch_delay_us, linked=m.linked, kernels=m.device_events,
+                     host_ops=tuple((n, us / 1000) for n, us in m.long_gap_ops), evidence=tuple(evidence))
 
 
 def _gpu(ctx: Context, th: Thresholds) -> Check:
     run = ctx.run
     facts = {r: f.gpu for r, f in ctx.facts("launch_overhead").items() if f.gpu is not None}
     per_rank = {r: f.ms for r, f in facts.items()}
-    metrics: dict[str, float | int | str] = {}
     refs = [ctx.event_ref(r, row, note) for r, f in facts.items() for row, note in f.evidence]
     idle_total = sum(f.idle_us for f in facts.values())
-    host_in_idle = sum(f.host_in_idle_us for f in facts.values())
+    launch_total = sum(f.launch_us for f in facts.values())
     linked = sum(f.linked for f in facts.values())
-    n_kernels_all = sum(f.kernels for f in facts.values())
+    n_dev = sum(f.kernels for f in facts.values())
     # medians over ranks of each rank's median: a rank reports its median, not its every kernel
     kernel_us = [f.median_kernel_us for f in facts.values() if f.median_kernel_us is not None]
     delay_us = [f.median_launch_delay_us for f in facts.values() if f.median_launch_delay_us is not None]
     ms = float(np.median(list(per_rank.values())))
+    long_ms = float(np.median([f.long_ms for f in facts.values()]))
+    queued_ms = float(np.median([f.queued_ms for f in facts.values()]))
     share = ms / ctx.mean_step_ms
-    metrics.update({
-        "device_idle_host_busy_ms_per_step": round(ms, 3),
+    delay = float(np.median(delay_us)) if delay_us else None
+    metrics: dict[str, float | int | str] = {
+        "device_idle_host_launch_ms_per_step": round(ms, 3),
+        "short_gaps_ms_per_step": round(ms - long_ms, 3),
+        "long_gaps_ms_per_step": round(long_ms, 3),
         "share_of_step": round(share, 4),
-        "device_idle_share": round(float(ctx.table["other_ms"].sum() / ctx.table["step_ms"].sum()), 4),
-        "host_busy_share_of_idle": round(host_in_idle / idle_total, 4) if idle_total else 0.0,
+        "device_idle_share": round(float((ctx.table["other_ms"] + ctx.table["dataloader_ms"]).sum()
+                                         / ctx.table["step_ms"].sum()), 4),
+        # the share of idle time blamed on the host (what HTA calls host wait)
+        "host_busy_share_of_idle": round(launch_total / idle_total, 4) if idle_total else 0.0,
+        "queued_idle_ms_per_step": round(queued_ms, 3),
         "kernels_per_step": round(float(np.median([f.kernels_per_step for f in facts.values()])), 1),
         "median_kernel_us": round(float(np.median(kernel_us)), 2) if kernel_us else 0.0,
-        "median_launch_delay_us": round(float(np.median(delay_us)), 2) if delay_us else "not linked",
-    })
+        "median_launch_delay_us": round(delay, 2) if delay is not None else "not linked",
+    }
+    ops: dict[str, float] = {}
+    for f in facts.values():
+        for name, v in f.host_ops:
+            ops[name] = ops.get(name, 0.0) + v / len(facts)
+    if ops:
+        metrics["long_gap_host_ops_ms_per_step"] = ", ".join(
+            f"{n} {v:.1f}" for n, v in sorted(ops.items(), key=lambda kv: -kv[1])[:5])
     base = "high" if kernel_us and np.median(kernel_us) < 50 else "medium"
-    linked_share = linked / n_kernels_all if n_kernels_all else 0.0
+    linked_share = linked / n_dev if n_dev else 0.0
     metrics["kernels_linked_to_launch"] = round(linked_share, 3)
-    if linked_share < 0.5 or not any(run.traces[r].flows for r in run.ranks):
+    notes = []
+    if linked_share < th.min_linked_share or not any(run.traces[r].flows for r in run.ranks):
         # sampled or filtered trace (no launch->kernel flows): missing events look like idle time
         base = "low"
-        metrics["note"] = "trace looks sampled or filtered (no flow events): idle time may be overstated"
+        notes.append("trace looks sampled or filtered (no flow events): idle time may be overstated")
+    host_ahead = delay is not None and delay >= th.host_ahead_delay_us and ms < queued_ms
+    if host_ahead:
+        base = "low"
+        notes.append(f"median launch delay {delay / 1000:.1f} ms: the host runs ahead of the device, so launch "
+                     "overhead is not what the device mostly waits for")
+    if notes:
+        metrics["note"] = "; ".join(notes)
     ranks = tuple(r for r, v in per_rank.items() if v / ctx.mean_step_ms >= th.launch_overhead) or tuple(run.ranks)
+    split = (f"{ms - long_ms:.1f} ms in short gaps between kernels (launch rate), {long_ms:.1f} ms in gaps over "
+             f"{th.launch_gap_long_us:.0f} us (host-op stalls)")
+    top_ops = [n for n, _ in sorted(ops.items(), key=lambda kv: -kv[1])[:3]]
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
-        ranks=ranks, metrics=metrics, events=tuple(refs[:6]), fix=FIX_GPU, confidence=confidence_for(ctx, base),
-        method="Median over ranks of per-step device idle time (outside DataLoader waits) during which the "
-               "host is busy in non-synchronising CPU ops.")
-    return flag_or_pass(f, th.launch_overhead, th, f"the device idles {ms:.1f} ms per step ({share:.0%}) while "
-                        "the host is busy: host-bound")
+        ranks=ranks, metrics=metrics, events=tuple(refs[:6]), fix=FIX_GPU if ms - long_ms >= long_ms else FIX_STALL,
+        confidence=confidence_for(ctx, base),
+        method="Median over ranks of per-step device idle ended by work whose launch call returned after the "
+               "idle began (the device waited for the host), outside DataLoader waits and synchronising calls; "
+               "each idle gap is linked to its launch by correlation id (diagnose/idle.py).")
+    reason = f"the device waits {ms:.1f} ms per step ({share:.0%}) for the host to launch work: {split}"
+    if long_ms > 0 and top_ops:
+        reason += f"; host ops behind the long gaps: {', '.join(top_ops)}"
+    check = flag_or_pass(f, th.launch_overhead, th, reason)
+    if host_ahead and check.status == "flagged":
+        check = replace(check, reason=check.reason + f"; but the host runs ahead (median launch delay "
+                        f"{delay / 1000:.1f} ms) and queued idle is larger ({queued_ms:.1f} ms): see device_wait")
+    return check
 
 
 def _self_times(df: pd.DataFrame) -> np.ndarray:
