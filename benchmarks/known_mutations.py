@@ -1,0 +1,78 @@
+"""Apply one-line mutations the fast suite once let through (issue 21), one at a time, to a copy of
+the repository, and run the fast suite (no e2e, no browser) against each: every one must fail
+at least one test. Prints one line per mutation: caught (and by which test) or SURVIVED.
+
+    python benchmarks/known_mutations.py [--tests tests/test_claims.py ...]
+
+Not part of CI's time budget (a surviving mutant runs the whole fast suite).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (file, text, replacement, what it breaks)
+MUTATIONS = [
+    ("diagnose/analyzers/launch.py", 'return HostBound(ms=m.class_ms("launch")',
+     'return HostBound(ms=m.class_ms("launch") / 2', "GPU launch-overhead estimate halved"),
+    ("diagnose/thresholds.py", "severity_high: float = 0.20", "severity_high: float = 0.50",
+     "severity_high raised from 0.20 to 0.50"),
+    ("diagnose/analyzers/dataloader.py", "return flag_or_pass(f, th.input_stall, th,",
+     "return flag_or_pass(f, 99.0, th,", "input_stall never flags"),
+    ("diagnose/analyzers/common.py", "len(run.ranks) < 0.5 * run.world_size:\n        level -= 1",
+     "len(run.ranks) < 0.5 * run.world_size:\n        pass", "confidence not lowered for a subset of ranks"),
+    ("diagnose/analyzers/straggler.py",
+     'return [not_measurable(ID, TITLE, f"only rank {run.ranks[0]}\'s trace: lateness needs at least two ranks")]',
+     'return [Check(id=ID, title=TITLE, status="passed", reason="one rank")]',
+     "a single-rank trace's straggler check passed instead of not_measurable"),
+    ("diagnose/context.py", "return EventRef(rank=rank, file=trace.path.name, ts_us=ts,",
+     "return EventRef(rank=rank, file=trace.path.name, ts_us=ts + 1.0,", "every evidence event's ts_us shifted"),
+    ("diagnose/analyzers/straggler.py", 'others = wait.drop(index=named, errors="ignore")', "others = wait",
+     "the straggler's imposed wait counted including the rank's own"),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tests", nargs="*", default=["tests"], help="test paths (default: the whole fast suite)")
+    args = ap.parse_args()
+    survived = 0
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        if (ROOT.parent / "shared").exists():  # the tests read ../shared/traces beside the repository
+            (Path(tmp) / "shared").symlink_to(ROOT.parent / "shared")
+        for path, old, new, what in MUTATIONS:
+            copy = Path(tmp) / "repo"
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache",
+                                                                        ".hypothesis", "runs", "diagnosis"))
+            target = copy / path
+            text = target.read_text()
+            if text.count(old) != 1:
+                print(f"STALE    {what}: the line to mutate is not in {path} once (update this script)")
+                survived += 1
+                continue
+            target.write_text(text.replace(old, new))
+            # the copy's packages first: its `diagnose` is the one imported by the tests
+            res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                  "-m", "not e2e and not browser", *args.tests], cwd=copy, capture_output=True,
+                                 text=True, env={**os.environ, "PYTHONPATH": str(copy)})
+            failed = re.findall(r"^FAILED (\S+)", res.stdout, re.MULTILINE)
+            if res.returncode == 1 and failed:
+                print(f"caught   {what}: {failed[0]}")
+            else:
+                survived += 1
+                print(f"SURVIVED {what} (pytest exit {res.returncode})")
+    print(f"{len(MUTATIONS) - survived} of {len(MUTATIONS)} caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""Claims the tool prints, pinned by fast deterministic tests (issue 21).
+
+Each test names the claim and the mutation of the code it catches. Independent figures are
+computed here from the raw files (gzip + json, not the tool's loader), never by calling the
+code under test for the number being checked.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diagnose.analyzers.common import flag_or_pass
+from diagnose.model import Finding
+from diagnose.pipeline import diagnose_paths
+from diagnose.thresholds import DEFAULT, Thresholds
+from tests.conftest import shared
+
+SETS = ["kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4", "param_dlrm_8rank_v100",
+        "hta_sampled_2rank_of128", "hta_nccl_data_rank0of2_a100", "edge_hta_ddp_world1_v100",
+        "edge_hta_cpu_only_gloo_rank34of300"]
+
+
+@lru_cache(maxsize=None)
+def diagnosis(name: str):
+    return diagnose_paths([shared(name)])
+
+
+@lru_cache(maxsize=None)
+def raw_events(path: Path) -> dict[tuple[float, float], list[str]]:
+    """Complete ('X') events of a raw trace file by (ts, dur): read with gzip + json only."""
+    opener = gzip.open if path.read_bytes()[:2] == b"\x1f\x8b" else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    out: dict[tuple[float, float], list[str]] = {}
+    for e in events:
+        if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e:
+            key = (round(float(e["ts"]), 3), round(float(e.get("dur", 0)), 3))
+            out.setdefault(key, []).append(str(e.get("name", "")))
+    return out
+
+
+def check(d, cid):
+    return next(c for c in d.checks if c.id == cid)
+
+
+# ---- thresholds and severities at their boundaries ---------------------------------------------
+def test_severity_levels_change_exactly_at_their_thresholds():
+    """Catches: severity_high or severity_medium moved (e.g. 0.20 -> 0.50)."""
+    th = DEFAULT
+    assert th.severity_high == 0.20 and th.severity_medium == 0.10
+    assert th.severity(0.1999) == "medium" and th.severity(0.20) == "high"
+    assert th.severity(0.0999) == "low" and th.severity(0.10) == "medium"
+
+
+FLAG_LEVELS = {  # check id -> the threshold field its verdict uses
+    "dataloader_starvation": "input_bound", "input_stall": "input_stall", "exposed_communication": "communication",
+    "straggler": "straggler", "launch_overhead": "launch_overhead", "host_sync": "host_sync",
+    "pipeline_bubble": "pipeline_bubble", "checkpoint_io": "checkpoint",
+}
+
+
+@pytest.mark.parametrize("cid,field", sorted(FLAG_LEVELS.items()))
+def test_each_check_flags_from_its_threshold_and_not_below(cid, field):
+    """Catches: a comparison turned strict or inverted in flag_or_pass; a threshold value moved."""
+    th = Thresholds()
+    level = getattr(th, field)
+    assert 0.0 < level <= 0.10, f"{field}={level}: the documented floors are 5% or 10% of the step"
+    step_ms = 100.0
+
+    def finding(share: float) -> Finding:
+        return Finding(id=cid, title=cid, severity=th.severity(share), recoverable_ms=share * step_ms,
+                       share_of_step=share, ranks=(0,), metrics={}, events=(), fix="", confidence="high", method="")
+
+    assert flag_or_pass(finding(level - 1e-4), level, th, "x").status == "passed"
+    assert flag_or_pass(finding(level), level, th, "x").status == "flagged"
+    # under the healthy floor nothing is flagged, whatever the share (a 0.04 ms "cause" on a 0.1 ms step)
+    tiny = Finding(id=cid, title=cid, severity="high", recoverable_ms=th.healthy_floor_ms / 2, share_of_step=0.5,
+                   ranks=(0,), metrics={}, events=(), fix="", confidence="high", method="")
+    assert flag_or_pass(tiny, level, th, "x").status == "passed"
+
+
+# ---- confidence rules and not_measurable reasons ---------------------------------------------------
+def test_a_subset_of_ranks_lowers_confidence():
+    """Catches: confidence no longer lowered when under half of the ranks are loaded."""
+    root = shared("param_dlrm_8rank_v100")
+    files = sorted(root.glob("worker*.json.gz"))
+    full = diagnose_paths([root])
+    part = diagnose_paths([str(p) for p in files[:3]])
+    levels = ["low", "medium", "high"]
+    c_full = check(full, "exposed_communication").finding.confidence
+    c_part = check(part, "exposed_communication").finding.confidence
+    assert levels.index(c_part) == levels.index(c_full) - 1, (c_full, c_part)
+
+
+def test_one_profiled_step_lowers_confidence():
+    """DLRM holds one step per rank: a check whose base is high says medium."""
+    d = diagnosis("param_dlrm_8rank_v100")
+    assert check(d, "exposed_communication").finding.confidence == "medium"
+    assert d.run.steps_analysed == 1
+
+
+@pytest.mark.parametrize("name", ["kineto_resnet50_dataloader_v100/nw0", "hta_nccl_data_rank0of2_a100",
+                                  "edge_hta_ddp_world1_v100"])
+def test_a_single_rank_cannot_show_a_straggler(name):
+    """Catches: a single-rank trace's straggler check reported passed instead of not_measurable."""
+    c = check(diagnosis(name), "straggler")
+    assert c.status == "not_measurable" and "two ranks" in c.reason
+
+
+def test_cpu_only_traces_say_gpu_checks_cannot_be_measured():
+    d = diagnosis("edge_hta_cpu_only_gloo_rank34of300")
+    for cid in ("input_stall", "host_sync"):
+        assert check(d, cid).status == "not_measurable", cid
+
+
+# ---- evidence is where the report says it is -------------------------------------------------------
+@pytest.mark.parametrize("name", SETS)
+def test_every_cited_event_exists_in_the_raw_file_exactly_as_cited(name):
+    """Catches: evidence ts_us/dur_us shifted (aligned clock, a row off by one), names mangled."""
+    d = diagnosis(name)
+    root = shared(name)
+    cited = [(f.id, e) for f in d.findings for e in f.events]
+    for fid, e in cited:
+        path = next(root.rglob(e.file))
+        names = raw_events(path).get((round(e.ts_us, 3), round(e.dur_us, 3)))
+        assert names, f"{fid}: no event at ts={e.ts_us} dur={e.dur_us} in {e.file}"
+        assert any(n[:300] == e.name for n in names), f"{fid}: {e.name!r} not among {names[:3]}"
+
+
+# ---- the straggler's wait: what the others spend waiting for it alone ------------------------------
+def _nccl_kernels(path: Path) -> list[tuple[float, float]]:
+    doc = json.load(gzip.open(path, "rt"))
+    ks = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in doc["traceEvents"]
+          if e.get("ph") == "X" and e.get("cat") == "kernel" and str(e.get("name", "")).startswith("ncclKernel")]
+    return sorted(ks)
+
+
+def test_straggler_wait_is_the_others_wait_for_the_last_rank_alone():
+    """Catches: the straggler's own (zero) wait counted in the median; a wait measured to the
+    second-latest instead of the latest arrival. Independent: NCCL kernels from the raw files,
+    matched by order (every rank issues the same collectives in one group on this job), each
+    rank's tail wait = min(last arrival, its kernel end) - max(its arrival, second-latest)."""
+    root = shared("param_dlrm_8rank_v100")
+    kernels = {int(p.name[6]): _nccl_kernels(p) for p in sorted(root.glob("worker*.json.gz"))}
+    n = min(len(k) for k in kernels.values())
+    assert n >= 4 and all(len(k) == n for k in kernels.values())
+    tail = {r: 0.0 for r in kernels}
+    last_count = {r: 0 for r in kernels}
+    for i in range(n):
+        arr = {r: k[i][0] for r, k in kernels.items()}
+        order = sorted(arr, key=arr.get)
+        latest, second = arr[order[-1]], arr[order[-2]]
+        last_count[order[-1]] += 1
+        for r, (s, e) in ((r, k[i]) for r, k in kernels.items()):
+            tail[r] += max(0.0, min(latest, e) - max(s, second))
+    late = max(last_count, key=last_count.get)
+    expected_ms = float(np.median([v for r, v in tail.items() if r != late])) / 1000
+    f = check(diagnosis("param_dlrm_8rank_v100"), "straggler").finding
+    assert f.ranks == (late,) == (7,)
+    # the tool counts only the part of the wait not hidden under compute: never more than this
+    assert f.recoverable_ms <= expected_ms * 1.02 + 0.01
+    assert f.recoverable_ms >= 0.8 * expected_ms, (f.recoverable_ms, expected_ms)
+
+
+def test_two_rank_straggler_wait_excludes_the_late_ranks_own(tmp_path):
+    """Catches: the median taken over all ranks, the straggler's own (zero) wait included: with
+    two ranks that halves the figure. Rank 1 arrives 2 ms late at every step; rank 0 waits
+    exactly those 2 ms inside the transfer (hand-built gloo pair)."""
+    from tests.test_straggler import write_pair
+
+    write_pair(tmp_path, [1] * 6, late_us=2_000.0)
+    f = check(diagnose_paths([tmp_path]), "straggler").finding
+    assert f.ranks == (1,) and f.recoverable_ms == pytest.approx(2.0, abs=0.01)
+
+
+# ---- input stall: host-to-device copies while no kernel runs ---------------------------------------
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out = []
+    for s, e in a:
+        cur = s
+        for bs, be in b:
+            if be <= cur or bs >= e:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def _overlap(a: list[tuple[float, float]], s: float, e: float) -> float:
+    return sum(max(0.0, min(e, be) - max(s, bs)) for bs, be in a)
+
+
+def _exposed_h2d_ms_per_step(path: Path) -> float:
+    doc = json.load(gzip.open(path, "rt"))
+    ev = [e for e in doc["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    span = lambda e: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))  # noqa: E731
+    kernels = _union([span(e) for e in ev if e.get("cat") in ("kernel", "Kernel")])
+    h2d = _union([span(e) for e in ev if e.get("cat") in ("gpu_memcpy", "Memcpy") and "HtoD" in e["name"]])
+    steps = [span(e) for e in ev if str(e["name"]).startswith("ProfilerStep#")]
+    exposed = _minus(h2d, kernels)
+    return float(np.mean([_overlap(exposed, s, e) for s, e in steps])) / 1000
+
+
+@pytest.mark.parametrize("name", ["kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4"])
+def test_input_stall_figure_matches_the_raw_copies(name):
+    """The measured (not flagged) input-stall figure: copies with no kernel alongside, per step."""
+    c = check(diagnosis(name), "input_stall")
+    expected = _exposed_h2d_ms_per_step(next(shared(name).glob("*.json.gz")))
+    assert expected > 1.0 and c.measured_ms == pytest.approx(expected, rel=0.01, abs=0.01)
+
+
+def _gpu_trace_with_blocking_copies(path: Path, copy_us: float, steps: int = 4, step_us: float = 10_000.0) -> None:
+    """One GPU rank, hand-built: each step a kernel, then a host-to-device copy with nothing else on
+    the device, then a kernel; launches linked by correlation ids as Kineto writes them."""
+    ev, corr = [], 1
+    for s in range(steps):
+        t0 = 1_000_000.0 + s * step_us
+        ev.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{s}", "ts": t0, "dur": step_us,
+                   "pid": 10, "tid": 10})
+        k1_end = t0 + 0.5 * step_us
+        for cat, name, ts, dur in (("kernel", "gemm_kernel", t0 + 100, k1_end - t0 - 100),
+                                   ("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", k1_end, copy_us),
+                                   ("kernel", "gemm_kernel", k1_end + copy_us, t0 + step_us - 100 - k1_end - copy_us)):
+            launch = "cudaMemcpyAsync" if cat == "gpu_memcpy" else "cudaLaunchKernel"
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": launch, "ts": ts - 50, "dur": 10, "pid": 10,
+                       "tid": 10, "args": {"correlation": corr}})
+            ev.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7,
+                       "args": {"correlation": corr, "device": 0, "stream": 7}})
+            corr += 1
+    doc = {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "GPU"}], "traceEvents": ev}
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("copy_us,flagged", [(450.0, False), (2_000.0, True)])
+def test_input_stall_flags_blocking_copies_from_its_threshold(tmp_path, copy_us, flagged):
+    """Catches: input_stall never flagging; its threshold moved. 0.45 ms of a 10 ms step is 4.5%
+    (under the 5% floor), 2 ms is 20%."""
+    _gpu_trace_with_blocking_copies(tmp_path / "rank0.pt.trace.json", copy_us)
+    c = check(diagnose_paths([tmp_path]), "input_stall")
+    assert c.measured_ms == pytest.approx(copy_us / 1000, abs=0.01)
+    assert (c.status == "flagged") is flagged, c.reason
