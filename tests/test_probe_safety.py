@@ -304,6 +304,26 @@ def test_a_child_of_a_rank_writes_nothing_as_that_rank(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["rank0.probe.json", "rank0.steps.jsonl"]
 
 
+@pytest.mark.e2e
+def test_ranks_started_by_mp_spawn_without_rank_in_the_environment(tmp_path):
+    """`diagnose run -- python train.py --spawn 2`: torch.multiprocessing.spawn starts the ranks, no
+    RANK anywhere; each rank names its files by its process-group rank, and the injected straggler
+    (rank 1) is found."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    res = subprocess.run([sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path / "runs"), "--",
+                          sys.executable, str(EXAMPLE), "--spawn", "2", "--pathology", "straggler"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    from tests.conftest import run_dir
+
+    run = run_dir(tmp_path / "runs")
+    names = sorted(p.name for p in (run / "traces").iterdir())
+    assert [n for n in names if n.endswith(".probe.json")] == ["rank0.probe.json", "rank1.probe.json"], names
+    assert sum(n.endswith(".pt.trace.json.gz") for n in names) == 2, names
+    d = json.loads((run / "diagnosis.json").read_text())
+    assert d["findings"][0]["id"] == "straggler" and d["findings"][0]["ranks"] == [1], res.stdout
+
+
 # ---- 8. the launcher's path ----------------------------------------------------------------------------
 def test_the_bootstrap_directory_holds_sitecustomize_only():
     from diagnose.launch import bootstrap_dir, probe_env
