@@ -252,7 +252,8 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
     import time
 
     from diagnose.live import render, snapshot
-    from diagnose.oncall import probe_dir, run_is_live
+    from diagnose.oncall import probe_dir
+    from diagnose.rundir import run_is_live
 
     try:
         pdir = probe_dir(run_dir, note)

@@ -206,7 +206,8 @@ def diff_summary(diff: dict) -> str:
 def write_diff(diff: dict, out: Path) -> list[Path]:
     import orjson
 
-    from diagnose.output import _clean, write_atomic
+    from diagnose.output import _clean
+    from diagnose.probes.safefs import write_atomic
 
     path = out / "diff.json"
     write_atomic(path, orjson.dumps(_clean(diff), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))

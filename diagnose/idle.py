@@ -165,10 +165,10 @@ def _inside(t: np.ndarray, tid: np.ndarray, calls_ts: np.ndarray, calls_end: np.
     return out
 
 
-def _innermost_segments(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _innermost_segments(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split one thread's (nested) ops into segments labelled by the innermost open op.
 
-    Returns (seg_start, seg_end, op position or -1, each op's parent position or -1). Depth is
+    Returns (seg_start, seg_end, op position or -1). Depth is
     the running count of opens minus closes; for nested spans the innermost op open in a
     segment at depth d is the last op whose start brought the depth to d."""
     n = ts.size
@@ -191,12 +191,7 @@ def _innermost_segments(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np
     ok &= (key[j] // (m + 1)) == seg_d
     label = np.full(m - 1, -1, dtype=np.int64)
     label[ok] = op[open_pos[j[ok]]]
-    # an op's parent: the innermost op of the segment just before its open event
-    parent = np.full(n, -1, dtype=np.int64)
-    opens = np.flatnonzero(delta > 0)
-    before = opens[opens > 0] - 1
-    parent[op[opens[opens > 0]]] = label[before]
-    return times[:-1], times[1:], label, parent
+    return times[:-1], times[1:], label
 
 
 def _long_gap_ops(ev: pd.DataFrame, gaps_by_tid: dict[int, Intervals], n_steps: int
@@ -217,7 +212,7 @@ def _long_gap_ops(ev: pd.DataFrame, gaps_by_tid: dict[int, Intervals], n_steps: 
         ts, end, nm = h_ts_all[sel], h_end_all[sel], codes[sel]
         rest = gaps.total
         if ts.size:
-            s0, s1, lab, _ = _innermost_segments(ts, end)
+            s0, s1, lab = _innermost_segments(ts, end)
             seg = lab >= 0
             # each labelled segment's overlap with the gaps, then summed per op name
             cut = intersect(Intervals(s0[seg], s1[seg]), gaps)
@@ -230,6 +225,16 @@ def _long_gap_ops(ev: pd.DataFrame, gaps_by_tid: dict[int, Intervals], n_steps: 
             totals[NO_OP] = totals.get(NO_OP, 0.0) + rest
     top = sorted(totals.items(), key=lambda kv: -kv[1])[:TOP_OPS]
     return tuple((n, us / max(n_steps, 1)) for n, us in top if us > 0)
+
+
+def sync_calls(ev: pd.DataFrame) -> np.ndarray:
+    """Mask over `ev` of the runtime calls that block the host until the device drains: the
+    synchronising calls by name, and any call that launched a copy with a pageable side (a
+    `cudaMemcpyAsync` to or from pageable memory blocks like `cudaMemcpy`). One rule for the idle
+    model and host_sync."""
+    runtime = (ev["kind"] == KIND_RUNTIME).to_numpy()
+    pageable = ev["corr"][(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, PAGEABLE)]
+    return runtime & (_names_matching(ev, SYNC_CALL) | ev["corr"].isin(pageable[pageable >= 0]).to_numpy())
 
 
 def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> IdleModel:
@@ -247,7 +252,6 @@ def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> 
     d_kind = dev["kind"].to_numpy()
     d_pid = dev["pid"].cat.codes.to_numpy() if hasattr(dev["pid"], "cat") else np.zeros(len(dev), np.int64)
     d_tid = dev["tid"].cat.codes.to_numpy() if hasattr(dev["tid"], "cat") else np.zeros(len(dev), np.int64)
-    d_pageable = _names_matching(dev, PAGEABLE)
     d_h2d = _names_matching(dev, H2D) & (d_kind == KIND_MEMCPY)
 
     r_ts = rt["ts"].to_numpy(dtype=float)
@@ -330,10 +334,7 @@ def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> 
     # sync: the launching thread inside a synchronising call when the device went idle
     linked_todo = todo & (lk >= 0)
     if linked_todo.any() and len(rt):
-        sync_call = _names_matching(rt, SYNC_CALL)
-        pageable_corr = d_corr[d_pageable & (d_kind == KIND_MEMCPY)]
-        sync_call |= np.isin(r_corr, pageable_corr[pageable_corr >= 0])
-        c_pos = np.flatnonzero(sync_call)
+        c_pos = np.flatnonzero(sync_calls(ev)[(kind == KIND_RUNTIME).to_numpy()])
         q = np.flatnonzero(linked_todo)
         hit = _inside(g_start[q], launch_tid[q], r_ts[c_pos], r_end[c_pos], r_tid[c_pos],
                       slack=th.sched_latency_us)

@@ -20,7 +20,7 @@ from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import jsonsafe
 from diagnose.probedata import _SIDE, as_number, read_json_sidecar, sane_world_size
 from diagnose.probes.safefs import SafeDir, UnsafePath, open_regular
-from diagnose.rundir import TRACES, newest_run, run_is_live  # noqa: F401 - run_is_live: for the commands
+from diagnose.rundir import TRACES, newest_run
 
 TAIL_BYTES = 256 * 1024
 CONTROL = "capture.json"  # the probes' side: probes/capture.py

@@ -10,7 +10,7 @@ import orjson
 from diagnose import __version__
 from diagnose.errors import one_line
 from diagnose.model import Diagnosis
-from diagnose.probes.safefs import write_atomic  # noqa: F401 - the one safe writer, shared with the probes
+from diagnose.probes.safefs import write_atomic  # the one safe writer, shared with the probes
 
 
 def _clean(x):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import orjson
 
-from diagnose.output import _clean, write_atomic
+from diagnose.output import _clean
+from diagnose.probes.safefs import write_atomic
 from diagnose.scaling import Scaling
 
 

@@ -88,7 +88,7 @@ def render_diff(diff: dict) -> str:
 
 def write_diff_report(diff: dict, out_dir: Path) -> Path:
     """Render diff.json's dict to OUT_DIR/report.html (atomically)."""
-    from diagnose.output import write_atomic
+    from diagnose.probes.safefs import write_atomic
 
     path = Path(out_dir) / "report.html"
     write_atomic(path, render_diff(diff).encode("utf-8"))

@@ -214,7 +214,8 @@ def render(diagnosis: dict) -> str:
 
 def write_report(d, out_dir: Path) -> Path:
     """Render a `diagnose.model.Diagnosis` to OUT_DIR/report.html (atomically)."""
-    from diagnose.output import diagnosis_dict, write_atomic
+    from diagnose.output import diagnosis_dict
+    from diagnose.probes.safefs import write_atomic
 
     path = Path(out_dir) / "report.html"
     write_atomic(path, render(diagnosis_dict(d)).encode("utf-8"))

@@ -58,29 +58,28 @@ def test_severity_levels_change_exactly_at_their_thresholds():
     assert th.severity(0.0999) == "low" and th.severity(0.10) == "medium"
 
 
-FLAG_LEVELS = {  # check id -> the threshold field its verdict uses
-    "dataloader_starvation": "input_bound", "input_stall": "input_stall", "exposed_communication": "communication",
-    "straggler": "straggler", "launch_overhead": "launch_overhead", "host_sync": "host_sync",
-    "pipeline_bubble": "pipeline_bubble", "checkpoint_io": "checkpoint",
-}
+FLAG_LEVELS = ("input_bound", "input_stall", "communication", "straggler", "launch_overhead", "host_sync",
+               "pipeline_bubble", "checkpoint", "device_wait")
 
 
-@pytest.mark.parametrize("cid,field", sorted(FLAG_LEVELS.items()))
-def test_each_check_flags_from_its_threshold_and_not_below(cid, field):
-    """Catches: a comparison turned strict or inverted in flag_or_pass; a threshold value moved."""
+@pytest.mark.parametrize("field", FLAG_LEVELS)
+def test_a_finding_is_flagged_from_its_threshold_and_not_below(field):
+    """Catches: the comparison in flag_or_pass (the one place every time check decides) turned
+    strict or inverted; a floor moved off the documented 5% / 10%. Which floor each check passes
+    to it is not pinned here (per-check boundary tests are still to write)."""
     th = Thresholds()
     level = getattr(th, field)
-    assert 0.0 < level <= 0.10, f"{field}={level}: the documented floors are 5% or 10% of the step"
+    assert level in (0.05, 0.10), f"{field}={level}: the documented floors are 5% or 10% of the step"
     step_ms = 100.0
 
     def finding(share: float) -> Finding:
-        return Finding(id=cid, title=cid, severity=th.severity(share), recoverable_ms=share * step_ms,
+        return Finding(id="x", title="x", severity=th.severity(share), recoverable_ms=share * step_ms,
                        share_of_step=share, ranks=(0,), metrics={}, events=(), fix="", confidence="high", method="")
 
     assert flag_or_pass(finding(level - 1e-4), level, th, "x").status == "passed"
     assert flag_or_pass(finding(level), level, th, "x").status == "flagged"
     # under the healthy floor nothing is flagged, whatever the share (a 0.04 ms "cause" on a 0.1 ms step)
-    tiny = Finding(id=cid, title=cid, severity="high", recoverable_ms=th.healthy_floor_ms / 2, share_of_step=0.5,
+    tiny = Finding(id="x", title="x", severity="high", recoverable_ms=th.healthy_floor_ms / 2, share_of_step=0.5,
                    ranks=(0,), metrics={}, events=(), fix="", confidence="high", method="")
     assert flag_or_pass(tiny, level, th, "x").status == "passed"
 

@@ -62,10 +62,12 @@ def test_classes_sum_to_idle_per_rank_and_step(name):
         tl = build_timeline(tr, 0)
         m = idle.idle_model(tr, tl)
         raw = _raw_idle_per_step(tr.events, tl.steps)
-        n_gaps = len(m.start)
         assert m.by_class_us.shape == (len(tl.steps), len(idle.CLASSES))
         assert (m.by_class_us >= 0).all()
-        np.testing.assert_allclose(m.by_class_us.sum(axis=1), raw, atol=1.0 * max(n_gaps, 1))
+        # within 1 us per gap that overlaps the step (the bound), step by step
+        lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+        gaps_in_step = np.array([((m.start < e) & (m.end > s)).sum() for s, e in zip(lo, hi)])
+        assert (np.abs(m.by_class_us.sum(axis=1) - raw) <= np.maximum(gaps_in_step, 1) * 1.0).all()
         np.testing.assert_allclose(m.queued_by_sub_us.sum(axis=1), m.by_class_us[:, idle.QUEUED], atol=1e-6)
 
 
@@ -88,7 +90,8 @@ def test_sampled_launch_overhead_is_the_host_launch_class_at_low_confidence():
     assert 150 < rank0_ms < 210  # TRACE-FACTS: 182 ms per step
     rank0 = lo.finding.metrics if lo.finding else {}
     facts_ms = lo.measured_ms
-    assert facts_ms <= rank0_ms * 1.15
+    # the median of two ranks' figures against rank 0's, computed here: within 15% either way
+    assert rank0_ms * 0.85 <= facts_ms <= rank0_ms * 1.15
     assert lo.finding is not None and lo.finding.confidence == "low"
     # the queued part is device_wait's (here: not measurable, the trace is sampled), never launch overhead's
     dw = check(d, "device_wait")

@@ -120,7 +120,7 @@ def test_write_atomic_respects_the_umask(tmp_path):
     assert stat.S_IMODE((tmp_path / "report.html").stat().st_mode) == 0o644 & ~old
 
 
-def test_a_shared_directory_without_the_sticky_bit_is_named_once(shared_dir, tmp_path):
+def test_a_shared_directory_without_the_sticky_bit_is_named(shared_dir, tmp_path):
     with SafeDir.open(shared_dir, strict=False) as d:
         assert d.warning and "sticky" in d.warning
     with SafeDir.open(tmp_path / "mine") as d:

@@ -10,11 +10,11 @@ any kernel, per step (pageable or synchronous copies that stall the device).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
+from diagnose import idle
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.intervals import covered, subtract, union
@@ -30,7 +30,6 @@ FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=Tr
        "training process or cache preprocessed samples.")
 FIX_STALL = ("Copy inputs asynchronously: pin_memory=True in the DataLoader and "
              "tensor.to(device, non_blocking=True); avoid pageable host tensors in the step.")
-_H2D = re.compile(r"HtoD|Host to Device|H2D", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +50,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
     ev = trace.events
     waits = ev[_names_matching(ev, DATALOADER)].nlargest(3, "dur")
     exposed_ms, h2d_rows = 0.0, ()
-    cp = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, _H2D)]
+    cp = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, idle.H2D)]
     if len(cp):
         kernels = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
         exposed = subtract(union(cp["ts"], cp["ts"] + cp["dur"]),

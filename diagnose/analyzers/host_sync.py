@@ -30,7 +30,7 @@ import pandas as pd
 from diagnose import idle
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
 from diagnose.context import Context
-from diagnose.ingest.load import KIND_CPU_OP, KIND_MEMCPY, KIND_RUNTIME, RankTrace
+from diagnose.ingest.load import KIND_CPU_OP, KIND_RUNTIME, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
 from diagnose.timeline import RankTimeline, _names_matching
@@ -114,10 +114,7 @@ def reduce(trace: RankTrace, tl: RankTimeline, idle_gaps: idle.IdleModel | None 
         return RankSyncs(has_runtime=has_runtime, item_calls=item_calls)
     lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
     m = idle_gaps or idle.idle_model(trace, tl)
-    pageable = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, idle.PAGEABLE)]["corr"]
-    is_call = (ev["kind"] == KIND_RUNTIME).to_numpy() & (
-        _names_matching(ev, SYNC_CALL) | ev["corr"].isin(pageable[pageable >= 0]).to_numpy())
-    calls = ev[is_call]
+    calls = ev[idle.sync_calls(ev)]
     in_step = np.zeros(len(calls), dtype=bool)
     ts = calls["ts"].to_numpy()
     for s, e in zip(lo, hi):

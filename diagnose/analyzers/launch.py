@@ -66,6 +66,9 @@ class HostBound:
     """Device events inside the steps."""
     host_ops: tuple[tuple[str, float], ...]
     """Innermost host ops during the long launch gaps: (name, ms per step)."""
+    clock_bound_us: float | None
+    """min(device start - its launch call's start): below 0, the host clock runs at least that far ahead
+    of the device's (a kernel cannot start before it is launched), which shifts every gap's class."""
     evidence: tuple[tuple[int, str], ...]
     """(row, note): the kernels that end the longest launch gaps."""
 
@@ -116,7 +119,8 @@ def _host_bound(trace: RankTrace, tl: RankTimeline, m: idle.IdleModel) -> HostBo
                      kernels_per_step=len(k_in) / max(len(lo), 1),
                      median_kernel_us=float(np.median(k_in["dur"])) if len(k_in) else None,
                      median_launch_delay_us=m.median_launch_delay_us, linked=m.linked, kernels=m.device_events,
-                     host_ops=tuple((n, us / 1000) for n, us in m.long_gap_ops), evidence=tuple(evidence))
+                     host_ops=tuple((n, us / 1000) for n, us in m.long_gap_ops),
+                     clock_bound_us=m.clock_bound_us, evidence=tuple(evidence))
 
 
 def _gpu(ctx: Context, th: Thresholds) -> Check:
@@ -149,6 +153,10 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
         "kernels_per_step": round(float(np.median([f.kernels_per_step for f in facts.values()])), 1),
         "median_kernel_us": round(float(np.median(kernel_us)), 2) if kernel_us else 0.0,
         "median_launch_delay_us": round(delay, 2) if delay is not None else "not linked",
+        # causality bound on the host-device clock offset (the worst rank); negative: the class
+        # boundaries between "queued" and "launch" are uncertain by that much
+        "clock_bound_us": (round(min(b), 2) if (b := [f.clock_bound_us for f in facts.values()
+                                                       if f.clock_bound_us is not None]) else "not linked"),
     }
     ops: dict[str, float] = {}
     for f in facts.values():
