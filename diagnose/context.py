@@ -5,11 +5,11 @@ from dataclasses import asdict, dataclass
 
 import pandas as pd
 
-from diagnose.breakdown import compute_breakdown
-from diagnose.collectives import Matched, match_collectives
+from diagnose.step.breakdown import compute_breakdown
+from diagnose.step.collectives import Matched, match_collectives
 from diagnose.model import EventRef, StepBreakdown
 from diagnose.probedata import ProbeData
-from diagnose.run import ReduceFailed, Run
+from diagnose.ingest.assemble import ReduceFailed, Run
 
 
 @dataclass(frozen=True, slots=True)

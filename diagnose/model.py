@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 FindingId = Literal[
     "dataloader_starvation",
@@ -105,6 +105,10 @@ class StepBreakdown:
     straggler_wait_ms: float
     dataloader_ms: float
     other_ms: float
+    other_by_cause_ms: dict[str, float] = field(default_factory=dict)
+    """GPU ranks: other_ms (device idle outside DataLoader waits) split by the idle model's
+    classes (diagnose/step/idle.py: latency, queued, sync, input, launch, unattributed); the
+    values sum to other_ms. {} on CPU-only ranks, whose other_ms is host time outside ops."""
 
 
 @dataclass(frozen=True, slots=True)

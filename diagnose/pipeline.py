@@ -5,14 +5,14 @@ from pathlib import Path
 
 import numpy as np
 
-from diagnose.intervals import clip
-
 from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.context import Context, build_context
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
-from diagnose.run import Progress, Run, load_run
+from diagnose.step.idle import CLASSES, LATENCY
+from diagnose.step.intervals import clip
+from diagnose.ingest.assemble import Progress, ReduceFailed, Run, load_run
 from diagnose.thresholds import DEFAULT, Thresholds
 
 
@@ -110,20 +110,29 @@ def _timeline_extra(ctx: Context) -> dict:
         off = run.clock_offsets_us.get(r, 0.0)
         srow = tl.steps[tl.steps["step"] == step].iloc[0]
         lo, hi = float(srow["start"]), float(srow["end"])
-        lanes = {}
-        for name, iv in (("compute", tl.compute), ("communication", tl.comm), ("dataloader", tl.dataloader)):
+        lanes: dict[str, list] = {}
+        for name, iv in (("host", tl.host_busy), ("compute", tl.compute), ("communication", tl.comm),
+                         ("dataloader", tl.dataloader)):
             c = clip(iv, lo, hi)
             keep = np.argsort(c.ends - c.starts)[::-1][:MAX_LANE_INTERVALS]
             keep.sort()
             lanes[name] = [[round(float(c.starts[i] + off) / 1000, 4), round(float(c.ends[i] - c.starts[i]) / 1000, 4)]
                            for i in keep]
+        gaps = run.idle.get(r)
+        if gaps is not None and not isinstance(gaps, ReduceFailed):
+            # each idle gap with its cause (scheduling latency left out: too small to see)
+            s0, s1 = np.maximum(gaps.start, lo), np.minimum(gaps.end, hi)
+            sel = np.flatnonzero((s1 > s0) & (gaps.cls != LATENCY))
+            sel = np.sort(sel[np.argsort(s0[sel] - s1[sel], kind="stable")][:MAX_LANE_INTERVALS])
+            lanes["idle"] = [[round(float(s0[i] + off) / 1000, 4), round(float(s1[i] - s0[i]) / 1000, 4),
+                              CLASSES[int(gaps.cls[i])]] for i in sel]
         rows.append({"rank": r, "start_ms": round((lo + off) / 1000, 4), "dur_ms": round((hi - lo) / 1000, 4),
                      "lanes": lanes})
     t0 = min(x["start_ms"] for x in rows)
     for x in rows:  # relative to the earliest start, so lateness is visible across ranks
         x["start_ms"] = round(x["start_ms"] - t0, 4)
         for lane in x["lanes"].values():
-            for iv in lane:
+            for iv in lane:  # [start, dur] or, for idle gaps, [start, dur, cause]
                 iv[0] = round(iv[0] - t0, 4)
     return {"step": step, "ranks": rows, "clock": "ms from the earliest rank's step start, clocks aligned"}
 

@@ -110,6 +110,20 @@ class Thresholds:
     """Under half of the device events linked to their launch call: the launch links cannot
     attribute the idle time (sampled or filtered trace)."""
 
+    unmatched_launch_share: float = 0.2
+    """Over a fifth of the launch calls in the steps without a device event: device work is missing
+    from the trace (a buffer overflow or filtered activities), so its idle time is overstated.
+    Healthy traces stay near zero (a few percent of zero-byte memsets have no device record)."""
+
+    empty_graph_share: float = 0.5
+    """Over half of the CUDA graph launches without a recorded kernel: the graphs' kernels were not
+    traced (older CUPTI, or graph tracing off), and their run time reads as idle."""
+
+    clock_skew_us: float = 20.0
+    """A device event starting over 20 us before its own launch call proves host and device clocks
+    disagree by that much (causality); past it, gaps near that size can be misfiled between the
+    queued and host-launch classes (gaps that matter for a finding are tens of us and up)."""
+
     healthy_floor_ms: float = 0.05
     """Ignore causes under 50 us per step: below timer and alignment noise."""
 

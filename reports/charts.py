@@ -21,6 +21,16 @@ COMPONENTS: tuple[tuple[str, str, str, str], ...] = (
     ("dataloader_ms", "dataloader wait", "#009E73", "."),
     ("other_ms", "other / idle", "#9E9E9E", "\\"),
 )
+# GPU ranks: other_ms split by why the device idled (the idle model's classes, in the JSON as
+# other_by_cause_ms); the residual "other / idle" is then ~0 and dropped when it is.
+IDLE_CAUSES: tuple[tuple[str, str, str, str], ...] = (
+    ("idle_launch", "idle: waiting for launches", "#CC79A7", "\\"),
+    ("idle_queued", "idle: work queued, waiting", "#F0E442", "-"),
+    ("idle_sync", "idle: host sync drain", "#555555", "+"),
+    ("idle_input", "idle: input copy", "#66C2A5", "."),
+    ("idle_latency", "idle: scheduling latency", "#DDDDDD", ""),
+    ("idle_unattributed", "idle: unattributed", "#9E9E9E", "|"),
+)
 FLAGGED_COLOUR, OTHER_COLOUR = "#CC3311", "#BBBBBB"
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 
@@ -30,7 +40,9 @@ FINDING_COMPONENT = {
     "dataloader_starvation": "dataloader_ms",
     "exposed_communication": "exposed_comm_ms",
     "straggler": "straggler_wait_ms",
-    "launch_overhead": "other_ms",
+    "launch_overhead": "idle_launch",
+    "device_wait": "idle_queued",
+    "host_sync": "idle_sync",
 }
 # Preferred per-rank metric suffix (metrics key rank<N>_<suffix>) per finding.
 FINDING_METRIC = {
@@ -97,7 +109,29 @@ def mean_breakdown(breakdown: list) -> dict[int, dict[str, float]]:
             v = num(row.get(key))
             if v is not None:
                 acc[r][key].append(v)
+        split = row.get("other_by_cause_ms")
+        if isinstance(split, dict) and split and acc[r]["other_ms"]:
+            parts = {k: num(v) or 0.0 for k, v in split.items() if f"idle_{k}" in IDLE_KEYS}
+            for k, v in parts.items():
+                acc[r][f"idle_{k}"].append(v)
+            acc[r]["other_ms"][-1] = max(acc[r]["other_ms"][-1] - sum(parts.values()), 0.0)
     return {r: {k: sum(v) / len(v) for k, v in comps.items()} for r, comps in sorted(acc.items())}
+
+
+IDLE_KEYS = frozenset(c[0] for c in IDLE_CAUSES)
+
+
+def shown_components(means: dict[int, dict[str, float]]) -> tuple[tuple[str, str, str, str], ...]:
+    """The components to draw: with the idle split, the idle causes replace "other / idle" (kept
+    only where something is left over, e.g. CPU ranks beside GPU ones)."""
+    if not any(k in IDLE_KEYS for m in means.values() for k in m):
+        return COMPONENTS
+    rest = COMPONENTS[-1:] if any(m.get("other_ms", 0.0) > 0.0005 for m in means.values()) else ()
+    return COMPONENTS[:-1] + IDLE_CAUSES + rest
+
+
+def component_label(key: str) -> str:
+    return next((c[1] for c in COMPONENTS + IDLE_CAUSES if c[0] == key), key)
 
 
 def breakdown_bars(breakdown: list, ranks: list[int] | None = None) -> go.Figure | None:
@@ -109,7 +143,7 @@ def breakdown_bars(breakdown: list, ranks: list[int] | None = None) -> go.Figure
         return None
     x = [f"rank {r}" for r in means]
     fig = go.Figure()
-    for key, label, colour, shape in COMPONENTS:
+    for key, label, colour, shape in shown_components(means):
         fig.add_bar(x=x, y=[m.get(key, 0.0) for m in means.values()], name=label, width=_bar_width(len(x)),
                     marker={"color": colour, "line": {"color": "#333", "width": 0.5},
                             "pattern": _pattern(shape)},
@@ -147,8 +181,9 @@ def step_composition(breakdown: list) -> tuple[go.Figure | None, int | None]:
     ranks = sorted(rows, reverse=True)  # rank 0 on top, like Perfetto
     y = [f"rank {r}" for r in ranks]
     fig = go.Figure()
-    for key, label, colour, shape in COMPONENTS:
-        fig.add_bar(y=y, x=[num(rows[r].get(key)) or 0.0 for r in ranks], name=label, orientation="h",
+    means = mean_breakdown([rows[r] for r in ranks])  # one step each: its own components, split
+    for key, label, colour, shape in shown_components(means):
+        fig.add_bar(y=y, x=[means.get(r, {}).get(key, 0.0) for r in ranks], name=label, orientation="h",
                     width=0.6 if len(y) <= 2 else None,
                     marker={"color": colour, "line": {"color": "#333", "width": 0.5},
                             "pattern": _pattern(shape)},
@@ -160,17 +195,21 @@ def step_composition(breakdown: list) -> tuple[go.Figure | None, int | None]:
 
 
 LANES: tuple[tuple[str, str, str, str], ...] = (
+    ("host", "host ops", "#56B4E9", ""),
     ("compute", "compute", "#0072B2", ""),
     ("communication", "communication", "#E69F00", "/"),
     ("dataloader", "dataloader wait", "#009E73", "."),
 )
+IDLE_LANE = "device idle"
+"""One row per rank: each idle gap coloured by its cause ([start, dur, class] in the JSON)."""
 MAX_TIMELINE_BARS = 6000  # keep the page light even for many ranks
 
 
 def step_timeline(timeline: dict) -> go.Figure | None:
     """One step per rank on a shared, clock-aligned time axis: a mini Perfetto.
 
-    Each rank gets one row per lane (compute, communication, dataloader wait); a late
+    Each rank gets one row per lane (host ops on the training thread, compute, communication,
+    dataloader wait) and, on GPU ranks, a row of device idle gaps coloured by their cause; a late
     rank shows as a row whose work starts later than the others'.
     """
     rows = [r for r in (timeline or {}).get("ranks") or [] if isinstance(r, dict) and _rank(r.get("rank")) is not None]
@@ -178,25 +217,31 @@ def step_timeline(timeline: dict) -> go.Figure | None:
         return None
     fig = go.Figure()
     budget = MAX_TIMELINE_BARS
-    order = []
-    for r in sorted(rows, key=lambda x: _rank(x["rank"]), reverse=True):
-        for key, label, _, _ in reversed(LANES):
-            order.append(f"rank {_rank(r['rank'])} · {label}")
-    for key, label, colour, shape in LANES:
+    has_idle = any((r.get("lanes") or {}).get("idle") for r in rows)
+    labels = [label for _, label, _, _ in LANES] + ([IDLE_LANE] if has_idle else [])
+    order = [f"rank {_rank(r['rank'])} · {label}" for r in sorted(rows, key=lambda x: _rank(x["rank"]), reverse=True)
+             for label in reversed(labels)]
+    series = [(key, label, label, colour, shape, None) for key, label, colour, shape in LANES]
+    series += [("idle", IDLE_LANE, label, colour, shape, key.removeprefix("idle_"))
+               for key, label, colour, shape in IDLE_CAUSES]
+    for key, row_label, name, colour, shape, cause in series:
         ys, xs, bases = [], [], []
         for r in rows:
             for iv in ((r.get("lanes") or {}).get(key) or [])[: max(budget, 0)]:
-                start, dur = (num(iv[0]), num(iv[1])) if isinstance(iv, list) and len(iv) == 2 else (None, None)
+                ok = isinstance(iv, list) and len(iv) == (2 if cause is None else 3)
+                if not ok or (cause is not None and iv[2] != cause):
+                    continue
+                start, dur = num(iv[0]), num(iv[1])
                 if start is None or dur is None:
                     continue
-                ys.append(f"rank {_rank(r['rank'])} · {label}")
+                ys.append(f"rank {_rank(r['rank'])} · {row_label}")
                 xs.append(dur)
                 bases.append(start)
                 budget -= 1
         if ys:
-            fig.add_bar(y=ys, x=xs, base=bases, orientation="h", name=label, width=0.8,
+            fig.add_bar(y=ys, x=xs, base=bases, orientation="h", name=name, width=0.8,
                         marker={"color": colour, "line": {"width": 0}, "pattern": _pattern(shape)},
-                        hovertemplate=f"%{{y}}<br>start %{{base:.2f}} ms, {label} %{{x:.3f}} ms<extra></extra>")
+                        hovertemplate=f"%{{y}}<br>start %{{base:.2f}} ms, {plot_text(name)} %{{x:.3f}} ms<extra></extra>")
     if not fig.data:
         return None
     fig.update_yaxes(categoryorder="array", categoryarray=order)
@@ -268,8 +313,11 @@ def finding_charts(finding: dict, breakdown: list, extras: dict) -> list[go.Figu
                               "ms" if suffix.endswith("_ms") else ""))
     elif fid in FINDING_COMPONENT:
         key = FINDING_COMPONENT[fid]
-        label = next(c[1] for c in COMPONENTS if c[0] == key)
-        vals = {r: m[key] for r, m in mean_breakdown(breakdown).items() if key in m}
+        means = mean_breakdown(breakdown)
+        if key in IDLE_KEYS and not any(key in m for m in means.values()):
+            key = "other_ms"  # no idle split (CPU ranks): the idle time as a whole
+        label = component_label(key)
+        vals = {r: m[key] for r, m in means.items() if key in m}
         figs.append(rank_bars(vals, ranks, f"Mean {label} per step, per rank (ms, from the step breakdown)", "ms"))
     figs = [f for f in figs if f is not None]
     if not figs:  # unknown finding kind or no per-rank numbers: the affected ranks' breakdown

@@ -109,7 +109,7 @@ def _breakdown_section(breakdown: list, cs: ChartSet, composition: bool = True) 
         parts.append('<p class="muted">Each lane is one rank\'s step with its components laid end to end: '
                      'it shows how much of the step each part took, not when it happened. '
                      'Use the evidence tables to find the events in Perfetto.</p>')
-    cols = [("step_ms", "step")] + [(k, lbl) for k, lbl, _, _ in charts.COMPONENTS]
+    cols = [("step_ms", "step")] + [(k, lbl) for k, lbl, _, _ in charts.shown_components(means)]
     head = "<tr><th>Rank</th>" + "".join(f"<th class=num>{lbl} (ms)</th>" for _, lbl in cols) + "</tr>"
     body = "".join("<tr><td>" + str(r) + "</td>" + "".join(f"<td class=num>{m.get(k, 0):,.2f}</td>" for k, _ in cols)
                    + "</tr>" for r, m in means.items())

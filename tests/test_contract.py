@@ -6,7 +6,7 @@ import pytest
 from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.context import build_context
 from diagnose.errors import DiagnoseError
-from diagnose.run import load_run
+from diagnose.ingest.assemble import load_run
 from diagnose.thresholds import DEFAULT
 from tests.conftest import SHARED
 

@@ -143,7 +143,7 @@ def test_truncated_rank_is_salvaged_and_still_analysed(corpus, case, tmp_path):
 def test_findings_on_a_salvaged_rank_have_lower_confidence(corpus):
     from diagnose.analyzers import reduce_rank
     from diagnose.pipeline import diagnose_run
-    from diagnose.run import load_run
+    from diagnose.ingest.assemble import load_run
 
     levels = ["low", "medium", "high"]
     run = load_run([corpus["gzip_named_json"]], reduce=reduce_rank)

@@ -102,7 +102,7 @@ def test_unwritable_output_training_survives(tmp_path):
 
 
 def test_rank_exiting_early_is_reported_missing(tmp_path):
-    res = diagnose_run(tmp_path, "--exit-early-rank", "1", "--exit-early-step", "5", schedule="1,1,6")
+    diagnose_run(tmp_path, "--exit-early-rank", "1", "--exit-early-step", "5", schedule="1,1,6")
     d = diagnose_paths([run_dir(tmp_path) / "traces"])
     assert d.run.ranks_missing == (1,)
     assert any("1 of 2 ranks" in w for w in d.warnings)

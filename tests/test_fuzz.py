@@ -17,7 +17,7 @@ import pytest
 from diagnose.errors import DiagnoseError
 from diagnose.ingest.load import load_trace
 from diagnose.analyzers import reduce_rank
-from diagnose.run import INTERNAL_ERROR, ReduceFailed, load_run
+from diagnose.ingest.assemble import INTERNAL_ERROR, ReduceFailed, load_run
 from tests.conftest import SHARED
 
 BUDGET_S = float(os.environ.get("DIAGNOSE_FUZZ_SECONDS", "20"))

@@ -1,4 +1,4 @@
-"""The idle model (diagnose/idle.py) and the checks that read it, on the real shared traces.
+"""The idle model (diagnose/step/idle.py) and the checks that read it, on the real shared traces.
 
 Independent figures (idle per step, gap bounds, which kernel ends a gap) are computed here
 from the raw events with pandas, never by calling the code under test.
@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from diagnose import idle
+from diagnose.step import idle
 from diagnose.analyzers import host_sync, launch
 from diagnose.ingest.load import load_trace
 from diagnose.pipeline import diagnose_paths
-from diagnose.timeline import build_timeline
+from diagnose.step.timeline import build_timeline
 from tests.conftest import shared
 
 DEVICE = ("kernel", "comm_kernel", "memcpy", "memset")
@@ -193,3 +193,89 @@ def test_mutation_pageable_copy_spanning_the_gap_moves_time_to_host_sync():
     # the gap moves whole; a few us more when short gaps right after it also start inside the long call
     assert a_sync - b_sync == pytest.approx(per_step, abs=0.05)
     assert b_launch - a_launch == pytest.approx(a_sync - b_sync, abs=1e-3)
+
+
+@pytest.mark.parametrize("name", GPU_SETS)
+def test_breakdown_other_splits_into_the_idle_classes(name):
+    """other_ms + dataloader_ms is the device idle of the step (raw scan here); other_ms splits into
+    the idle classes exactly (schema 1.1, other_by_cause_ms)."""
+    d = diagnose_paths([shared(name)])
+    rows = {(b.rank, b.step): b for b in d.breakdown}
+    for f in _files(name):
+        tr = load_trace(f)
+        tl = build_timeline(tr, 0)
+        raw = _raw_idle_per_step(tr.events, tl.steps)
+        rank = next(r for r, p in d.run.files.items() if p == str(f))
+        for step, idle_us in zip(tl.steps["step"], raw):
+            b = rows[(rank, int(step))]
+            assert set(b.other_by_cause_ms) == set(idle.CLASSES)
+            assert sum(b.other_by_cause_ms.values()) == pytest.approx(b.other_ms, abs=1e-3)
+            assert b.other_ms + b.dataloader_ms == pytest.approx(idle_us / 1000, abs=1e-3)
+
+
+def test_cpu_breakdown_has_no_idle_split():
+    d = diagnose_paths([shared("edge_hta_cpu_only_gloo_rank34of300")])
+    assert all(b.other_by_cause_ms == {} for b in d.breakdown)
+
+
+@pytest.mark.parametrize("name", GPU_SETS)
+def test_complete_shared_traces_raise_no_completeness_note(name):
+    for f in _files(name):
+        tr = load_trace(f)
+        assert idle.completeness(idle.idle_model(tr, build_timeline(tr, 0))) == ()
+
+
+def _raw(name):
+    import gzip
+    import json
+    return json.loads(gzip.open(_files(name)[0]).read())
+
+
+def _write(tmp_path, doc):
+    import json
+    p = tmp_path / "rank0.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def test_missing_device_events_lower_the_idle_checks_confidence(tmp_path):
+    doc = _raw("hta_nccl_data_rank0of2_a100")
+    before = diagnose_paths([_write(tmp_path, doc)])
+    assert check(before, "launch_overhead").finding.confidence == "high"
+    kernels = [i for i, e in enumerate(doc["traceEvents"]) if e.get("cat") == "kernel"]
+    drop = set(kernels[::3])  # a third of the kernels lost (a full activity buffer does this)
+    doc["traceEvents"] = [e for i, e in enumerate(doc["traceEvents"]) if i not in drop]
+    after = diagnose_paths([_write(tmp_path, doc)])
+    f = check(after, "launch_overhead").finding
+    assert f.confidence == "low"
+    assert "have no device event" in f.metrics["note"]
+
+
+def test_device_clock_ahead_of_host_is_reported_and_lowers_confidence(tmp_path):
+    doc = _raw("hta_nccl_data_rank0of2_a100")
+    for e in doc["traceEvents"]:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            e["ts"] = e["ts"] - 200  # device clock 200 us ahead: kernels start before their launches
+    f = check(diagnose_paths([_write(tmp_path, doc)]), "launch_overhead").finding
+    assert f.confidence == "low"
+    assert f.metrics["clock_bound_us"] < -150
+    assert "clocks disagree" in f.metrics["note"]
+
+
+def test_graph_launches_without_kernels_are_reported():
+    tr = load_trace(_files("hta_nccl_data_rank0of2_a100")[0])
+    tl = build_timeline(tr, 0)
+    ev = tr.events
+    m = idle.idle_model(tr, tl)
+    # turn ten kernel launches into graph launches whose kernels were not traced
+    launches = ev[(ev["kind"] == "runtime").to_numpy() & (ev["name"] == "cudaLaunchKernel").to_numpy()]
+    launches = launches[(launches["ts"] > tl.steps["start"].min()) & (launches["ts"] < tl.steps["end"].max())]
+    rows = launches.index[:10]
+    dev = ev[ev["kind"].isin(["kernel"]).to_numpy() & ev["corr"].isin(launches.loc[rows, "corr"]).to_numpy()]
+    names = ev["name"].astype(str)
+    names.loc[rows] = "cudaGraphLaunch"
+    mt = _with_events(tr, ev.assign(name=names.astype("category")).drop(index=dev.index))
+    after = idle.idle_model(mt, build_timeline(mt, 0))
+    assert (after.graph_launches, after.graph_launches_empty) == (10, 10)
+    assert m.graph_launches == 0
+    assert any("CUDA graph launches have no recorded kernel" in n for n in idle.completeness(after))

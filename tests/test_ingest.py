@@ -16,7 +16,7 @@ from diagnose.ingest.load import load_trace
 from diagnose.ingest.source import ReadState, iter_blocks
 from diagnose.ingest.stream import CHUNK, parse_stream
 from diagnose.analyzers import CHECKLIST, reduce_rank
-from diagnose.run import _load_one, load_files, load_run
+from diagnose.ingest.assemble import _load_one, load_files, load_run
 from tests.conftest import SHARED
 
 
@@ -235,7 +235,7 @@ def test_only_metadata_is_an_error(tmp_path):
 # -- one run -------------------------------------------------------------------------------
 
 def test_unexpected_reader_error_costs_one_file_not_the_run(tmp_path, monkeypatch):
-    import diagnose.run as run_mod
+    import diagnose.ingest.assemble as run_mod
 
     good = write(tmp_path, "rank0.json", steps_trace())
 
@@ -248,7 +248,7 @@ def test_unexpected_reader_error_costs_one_file_not_the_run(tmp_path, monkeypatc
 
 
 def test_parallel_and_serial_loading_agree(tmp_path, monkeypatch):
-    import diagnose.run as run_mod
+    import diagnose.ingest.assemble as run_mod
 
     for r in range(3):
         write(tmp_path, f"rank{r}.json", steps_trace(4, rank=r, world=3))
@@ -341,7 +341,7 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
 
 @pytest.mark.parametrize("parallel", [False, True])
 def test_load_progress_counts_every_file_once(tmp_path, monkeypatch, parallel):
-    import diagnose.run as run_mod
+    import diagnose.ingest.assemble as run_mod
 
     for r in range(3):
         write(tmp_path, f"rank{r}.json", steps_trace(4, rank=r, world=3))

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnose.intervals import covered, intersect, merge, subtract, union
+from diagnose.step.intervals import covered, intersect, merge, subtract, union
 
 
 def brute(starts, ends, grid):

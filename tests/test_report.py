@@ -206,3 +206,30 @@ def test_write_report_writes_report_html(tmp_path):
     text = path.read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
     assert not [p for p in tmp_path.iterdir() if p.name != "report.html"]  # no temp file left behind
+
+
+def test_idle_causes_replace_other_in_the_step_chart_and_timeline():
+    from diagnose.reports import charts
+    d = diagnosis_json("hta_sampled_2rank_of128")
+    fig = charts.breakdown_bars(d["breakdown"])
+    names = [t.name for t in fig.data]
+    assert "idle: waiting for launches" in names and "idle: work queued, waiting" in names
+    assert "other / idle" not in names  # fully split on a GPU run
+    # the stack still adds up to each rank's mean step
+    means = charts.mean_breakdown(d["breakdown"])
+    for i, r in enumerate(sorted(means)):
+        assert sum(t.y[i] for t in fig.data) == pytest.approx(means[r]["step_ms"], rel=1e-6)
+    tl = charts.step_timeline(d["extras"]["timeline"])
+    lanes = {y for t in tl.data for y in t.y}
+    assert {"rank 0 · device idle", "rank 0 · host ops"} <= lanes
+    idle_bars = [t for t in tl.data if t.y and t.y[0].endswith("device idle")]
+    assert {t.name for t in idle_bars} >= {"idle: waiting for launches", "idle: work queued, waiting"}
+
+
+def test_cpu_run_keeps_other_as_one_component():
+    from diagnose.reports import charts
+    trace_set("edge_hta_cpu_only_gloo_rank34of300")
+    d = diagnosis_json("edge_hta_cpu_only_gloo_rank34of300")
+    names = [t.name for t in charts.breakdown_bars(d["breakdown"]).data]
+    assert "other / idle" in names
+    assert not any(n.startswith("idle:") for n in names)

@@ -13,7 +13,7 @@ import pytest
 from diagnose.analyzers import CHECKLIST, host_sync, memory, pipeline_bubbles, reduce_rank
 from diagnose.context import build_context
 from diagnose.model import CHECK_ORDER
-from diagnose.run import load_run
+from diagnose.ingest.assemble import load_run
 from diagnose.thresholds import DEFAULT
 from tests.conftest import shared
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from diagnose import idle
 from diagnose.analyzers import (checkpoint, communication, dataloader, device_wait, host_sync, launch, memory,
                                 pipeline_bubbles, straggler)
 from diagnose.context import Context
 from diagnose.errors import one_line
 from diagnose.ingest.load import RankTrace
 from diagnose.model import Check
-from diagnose.run import ReduceFailed
+from diagnose.ingest.assemble import ReduceFailed
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import RankTimeline
+from diagnose.step.idle import IdleModel
+from diagnose.step.timeline import RankTimeline
 
 Analyzer = Callable[[Context, Thresholds], list[Check]]
 Reducer = Callable[..., object]
@@ -33,7 +33,7 @@ class Entry:
     analyze: Analyzer
     reduce: Reducer | None = None
     uses_idle: bool = False
-    """The per-rank phase reads the rank's idle model (diagnose/idle.py), built once per rank."""
+    """The per-rank phase reads the rank's idle model (diagnose/step/idle.py), built once per rank."""
 
 
 CHECKLIST: tuple[Entry, ...] = (
@@ -51,23 +51,19 @@ CHECKLIST: tuple[Entry, ...] = (
 )
 
 
-def reduce_rank(trace: RankTrace, tl: RankTimeline) -> tuple[dict[str, object], set[int]]:
-    """Every check's per-rank phase on one rank: (summaries by check name, evidence rows)."""
+def reduce_rank(trace: RankTrace, tl: RankTimeline, gaps: IdleModel | ReduceFailed | None = None
+                ) -> tuple[dict[str, object], set[int]]:
+    """Every check's per-rank phase on one rank: (summaries by check name, evidence rows).
+
+    gaps: the rank's idle model, built once where the rank is loaded (None on CPU ranks)."""
     facts: dict[str, object] = {}
     rows: set[int] = set()
-    gaps: idle.IdleModel | None = None
-    gaps_error: str | None = None
-    if tl.is_gpu:
-        try:  # one model of the device's idle time per rank, read by every check that talks about it
-            gaps = idle.idle_model(trace, tl)
-        except Exception as exc:  # noqa: BLE001 - those checks fail on this rank; the others go on
-            gaps_error = one_line(f"idle model: {type(exc).__name__}: {exc}")[:300]
     for e in CHECKLIST:
         if e.reduce is None:
             continue
         try:
-            if e.uses_idle and gaps_error:
-                raise RuntimeError(gaps_error)
+            if e.uses_idle and isinstance(gaps, ReduceFailed):
+                raise RuntimeError(gaps.error)
             f = e.reduce(trace, tl, idle_gaps=gaps) if e.uses_idle else e.reduce(trace, tl)
         except Exception as exc:  # one check's bug must not cost the user the file or the other checks
             facts[e.name] = ReduceFailed(one_line(f"{type(exc).__name__}: {exc}")[:300])

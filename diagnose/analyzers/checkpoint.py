@@ -27,10 +27,10 @@ from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurab
 from diagnose.analyzers.memory import human
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, RankTrace
-from diagnose.intervals import covered, union
+from diagnose.step.intervals import covered, union
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import RankTimeline, _names_matching
+from diagnose.step.timeline import RankTimeline, _names_matching
 
 ID = "checkpoint_io"
 TITLE = "Checkpoint writes block the training loop"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from diagnose.model import Check, Finding
+from diagnose.step.idle import IdleModel, completeness
 from diagnose.thresholds import Thresholds
 
 
@@ -18,6 +19,14 @@ def confidence_for(ctx, base: str = "high") -> str:
     if any(getattr(run.traces[r], "salvaged", False) for r in run.ranks):
         level -= 1  # a trace cut short (a killed job): its last events are missing
     return levels[max(level, 0)]
+
+
+def idle_completeness(ctx, th) -> list[str]:
+    """Per-rank completeness notes of the idle model (diagnose/step/idle.py), "rank r: ..." (at most
+    three): a check that reads idle classes lowers its confidence to low when any applies."""
+    notes = [f"rank {r}: {n}" for r, m in sorted(ctx.run.idle.items()) if isinstance(m, IdleModel)
+             for n in completeness(m, th)]
+    return notes[:3] + ([f"and {len(notes) - 3} more"] if len(notes) > 3 else [])
 
 
 def passed(check_id: str, title: str, reason: str) -> Check:

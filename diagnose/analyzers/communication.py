@@ -15,7 +15,7 @@ import numpy as np
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
 from diagnose.analyzers.straggler import late_rank
 from diagnose.context import Context
-from diagnose.intervals import covered
+from diagnose.step.intervals import covered
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
 

@@ -1,6 +1,6 @@
 """Device waits with work already queued (work launched, idle anyway).
 
-GPU traces. Estimation: the queued class of the idle model (diagnose/idle.py): per step,
+GPU traces. Estimation: the queued class of the idle model (diagnose/step/idle.py): per step,
 device idle ended by work whose launch call returned before the idle began, or that was
 launched before the profiler started. The host was not the bottleneck: the device had the
 work and waited for something else, named by the sub-tag of each gap:
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diagnose import idle
-from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.step import idle
+from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable
 from diagnose.context import Context
 from diagnose.ingest.load import RankTrace
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import RankTimeline
+from diagnose.step.timeline import RankTimeline
 
 ID = "device_wait"
 TITLE = "Device idles with work already queued (waiting on another stream, a collective or a graph)"
@@ -114,12 +114,16 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                            "events look missing")
     elif no_flows:
         base = "medium"
+    gaps = idle_completeness(ctx, th)
+    if gaps:
+        base = "low"
+        metrics["note"] = "; ".join(([metrics["note"]] if "note" in metrics else []) + gaps)
     refs = [ctx.event_ref(r, row, note) for r, f in facts.items() for row, note in f.evidence]
     ranks = tuple(r for r, f in facts.items() if f.ms / ctx.mean_step_ms >= th.device_wait) or tuple(run.ranks)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=ranks, metrics=metrics, events=tuple(refs[:6]), fix=FIXES[top], confidence=confidence_for(ctx, base),
         method="Median over ranks of per-step device idle ended by work whose launch call returned before the "
-               "idle began (linked by correlation id; diagnose/idle.py), by what the queued work waited for.")
+               "idle began (linked by correlation id; diagnose/step/idle.py), by what the queued work waited for.")
     return [flag_or_pass(f, th.device_wait, th, f"the device idles {ms:.1f} ms per step ({share:.0%}) with its "
                          f"next work already launched; mostly {top.replace('_', ' ')}")]

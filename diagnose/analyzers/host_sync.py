@@ -6,7 +6,7 @@ device has drained its queue. The device then sits idle until the host has launc
 work: the cost of the sync is that idle, not the call's own duration (while the host
 waits, the device is still busy with work queued earlier).
 
-Estimation: the sync class of the idle model (diagnose/idle.py): per rank, every device
+Estimation: the sync class of the idle model (diagnose/step/idle.py): per rank, every device
 idle gap whose ending work was launched by a thread that was inside a synchronising call
 (or a cudaMemcpyAsync with a pageable side, which blocks the same way) when the device went
 idle; the whole gap, from the end of the device's last activity to the start of its next
@@ -27,13 +27,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from diagnose import idle
-from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
+from diagnose.step import idle
+from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable, passed
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_CPU_OP, KIND_RUNTIME, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import RankTimeline, _names_matching
+from diagnose.step.timeline import RankTimeline, _names_matching
 
 ID = "host_sync"
 TITLE = "Host-device synchronisation stalls the device (.item(), .cpu(), synchronize())"
@@ -191,10 +191,13 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     ranks = tuple(r for r, v in ms_by_rank.items() if v / ctx.mean_step_ms >= th.host_sync) or tuple(
         r for r in run.ranks if per[r].calls)
     linked = any(run.traces[r].flows for r in run.ranks)
+    gaps = idle_completeness(ctx, th)
+    if gaps:
+        metrics["note"] = "; ".join(gaps)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=ranks, metrics=metrics, events=tuple(refs), fix=FIX,
-        confidence=confidence_for(ctx, "high" if linked else "medium"),
+        confidence=confidence_for(ctx, "low" if gaps else "high" if linked else "medium"),
         method="Median over ranks of per-step device idle that follows a synchronising call which drained the "
                "device queue: from the device's last activity before the call returned to its next activity.")
     reason = (f"{metrics['sync_calls_per_step']:g} synchronising call(s) per step leave the device idle "

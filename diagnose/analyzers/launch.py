@@ -1,6 +1,6 @@
 """4. Micro-batch too small / launch (host) overhead.
 
-GPU traces. Estimation: the host-launch class of the idle model (diagnose/idle.py): per
+GPU traces. Estimation: the host-launch class of the idle model (diagnose/step/idle.py): per
 step, the device idle ended by work whose launch call returned after the idle began (the
 device waited for the host), outside DataLoader waits and synchronising calls; split into
 short gaps (launch rate) and long gaps (host-op stalls, with the host ops behind them).
@@ -20,14 +20,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from diagnose import idle
-from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.step import idle
+from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable
 from diagnose.context import Context
-from diagnose.intervals import covered
+from diagnose.step.intervals import covered
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
+from diagnose.step.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
                                _names_matching)
 
 ID = "launch_overhead"
@@ -47,7 +47,7 @@ DENSE = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|conv|_convolutio
 
 @dataclass(frozen=True, slots=True)
 class HostBound:
-    """GPU rank: the host-launch class of the idle model (diagnose/idle.py) and the figures behind it."""
+    """GPU rank: the host-launch class of the idle model (diagnose/step/idle.py) and the figures behind it."""
 
     ms: float
     """Mean per-step device idle waiting for a launch issued after the gap began."""
@@ -178,6 +178,10 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
         base = "low"
         notes.append(f"median launch delay {delay / 1000:.1f} ms: the host runs ahead of the device, so launch "
                      "overhead is not what the device mostly waits for")
+    gaps = idle_completeness(ctx, th)
+    if gaps:
+        base = "low"
+        notes += gaps
     if notes:
         metrics["note"] = "; ".join(notes)
     ranks = tuple(r for r, v in per_rank.items() if v / ctx.mean_step_ms >= th.launch_overhead) or tuple(run.ranks)
@@ -190,7 +194,7 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
         confidence=confidence_for(ctx, base),
         method="Median over ranks of per-step device idle ended by work whose launch call returned after the "
                "idle began (the device waited for the host), outside DataLoader waits and synchronising calls; "
-               "each idle gap is linked to its launch by correlation id (diagnose/idle.py).")
+               "each idle gap is linked to its launch by correlation id (diagnose/step/idle.py).")
     reason = f"the device waits {ms:.1f} ms per step ({share:.0%}) for the host to launch work: {split}"
     if long_ms > 0 and top_ops:
         reason += f"; host ops behind the long gaps: {', '.join(top_ops)}"

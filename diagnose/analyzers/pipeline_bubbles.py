@@ -29,10 +29,10 @@ import pandas as pd
 from diagnose.analyzers.common import confidence_for, flag_or_pass, passed
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, RankTrace
-from diagnose.intervals import covered, subtract, union
+from diagnose.step.intervals import covered, subtract, union
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
-from diagnose.timeline import RankTimeline, _names_matching
+from diagnose.step.timeline import RankTimeline, _names_matching
 
 ID = "pipeline_bubble"
 TITLE = "Pipeline bubbles (stages idle while the pipeline fills and drains)"

@@ -1,7 +1,7 @@
 """3. Per-rank stragglers: who arrives late at collectives, and what it costs.
 
 Step times cannot show a straggler (the collective re-synchronises the ranks), so
-collectives are matched across ranks (diagnose.collectives) and each rank's arrival
+collectives are matched across ranks (diagnose.step.collectives) and each rank's arrival
 compared. A rank is named when it is the last to arrive at a consistent share of
 the collectives.
 

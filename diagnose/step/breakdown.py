@@ -4,6 +4,7 @@ Components are disjoint and sum to the step time (priority order, so overlapping
 activity is counted once):
 - GPU: compute > communication > DataLoader wait > other (GPU idle).
 - CPU: DataLoader wait > compute > communication > other (host gaps, sleeps).
+On GPU ranks `other` is split by the idle model's classes (why the device idled).
 Communication not hidden under compute is split into the part spent waiting for the
 single last-arriving rank of each collective (`straggler_wait`: what fixing that rank
 would give back) and the rest (`exposed_comm`: transfers and general arrival skew).
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnose.collectives import Matched
-from diagnose.intervals import Intervals, covered, intersect, merge, subtract, union
+from diagnose.step.collectives import Matched
+from diagnose.step.intervals import Intervals, covered, intersect, merge, subtract, union
+from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.model import StepBreakdown
-from diagnose.run import Run
+from diagnose.step.idle import CLASSES
 
 
 def _wait_intervals(matched: Matched, rank: int, offset: float) -> Intervals:
@@ -50,9 +52,13 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
         wait = np.minimum(wait, exposed)
         exposed = exposed - wait
         other = np.maximum(step_us - compute - exposed - wait - dl, 0.0)
+        gaps = run.idle.get(r)
+        split = gaps.outside_dataloader_us if gaps is not None and not isinstance(gaps, ReduceFailed) else None
         for i, step in enumerate(tl.steps["step"].to_numpy()):
+            causes = {c: round(float(split[i, k]) / 1000, 6) for k, c in enumerate(CLASSES)} if split is not None else {}
             rows.append(StepBreakdown(
                 rank=r, step=int(step), start_us=float(lo[i]), step_ms=step_us[i] / 1000,
                 compute_ms=compute[i] / 1000, exposed_comm_ms=exposed[i] / 1000,
-                straggler_wait_ms=wait[i] / 1000, dataloader_ms=dl[i] / 1000, other_ms=other[i] / 1000))
+                straggler_wait_ms=wait[i] / 1000, dataloader_ms=dl[i] / 1000, other_ms=other[i] / 1000,
+                other_by_cause_ms=causes))
     return rows

@@ -31,7 +31,7 @@ from diagnose.ingest.load import (
     KIND_RUNTIME,
     RankTrace,
 )
-from diagnose.intervals import Intervals, merge, subtract, union
+from diagnose.step.intervals import Intervals, merge, subtract, union
 
 DATALOADER = re.compile(r"^enumerate\(DataLoader\)#.*__next__")
 PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from diagnose.run import Run
+from diagnose.ingest.assemble import Run
 
 KEY = ["step", "pg", "seq"]
 

@@ -29,7 +29,8 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
-from diagnose.timeline import RankTimeline, build_timeline
+from diagnose.step.idle import IdleModel, idle_model
+from diagnose.step.timeline import RankTimeline, build_timeline
 
 # Below this much JSON in total, worker processes cost more to start than they save.
 PARALLEL_MIN_BYTES = 32 * 1024**2
@@ -47,8 +48,9 @@ class ReduceFailed:
     error: str
 
 
-Reduce = Callable[[RankTrace, RankTimeline], "tuple[dict[str, object], set[int]]"]
-"""(trace, timeline) -> (each check's per-rank summary by check name, event rows cited as evidence)."""
+Reduce = Callable[[RankTrace, RankTimeline, "IdleModel | ReduceFailed | None"], "tuple[dict[str, object], set[int]]"]
+"""(trace, timeline, idle model) -> (each check's per-rank summary by check name, event rows cited
+as evidence). The idle model is None on CPU ranks, ReduceFailed where building it raised."""
 
 
 @dataclass(slots=True)
@@ -64,6 +66,8 @@ class Run:
     skipped: list[str] = field(default_factory=list)
     facts: dict[int, dict[str, object]] = field(default_factory=dict)
     """Per rank, each check's per-rank summary (or ReduceFailed), when loaded with a reduction."""
+    idle: dict[int, IdleModel | ReduceFailed] = field(default_factory=dict)
+    """GPU ranks: the idle model (diagnose/step/idle.py), or why it could not be built."""
 
     @property
     def ranks(self) -> list[int]:
@@ -89,6 +93,7 @@ class Loaded:
     timeline: RankTimeline | None = None
     error: str | None = None
     facts: dict[str, object] = field(default_factory=dict)
+    idle: IdleModel | ReduceFailed | None = None
 
 
 def _load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
@@ -97,12 +102,13 @@ def _load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
         trace = load_trace(path, max_bytes)
         # the rank is provisional until all files are seen; 0 is what a lone unranked file becomes
         timeline = build_timeline(trace, trace.rank if trace.rank is not None else 0)
+        gaps = _idle(trace, timeline)
         facts: dict[str, object] = {}
         if reduce is not None:
             # a rank without a complete step is skipped later: nothing to summarise, nothing to keep
-            facts, rows = reduce(trace, timeline) if len(timeline.steps) else ({}, set())
+            facts, rows = reduce(trace, timeline, gaps) if len(timeline.steps) else ({}, set())
             _keep_only(trace, rows | set(timeline.collectives["row"].tolist()))
-        return Loaded(Path(path), trace, timeline, facts=facts)
+        return Loaded(Path(path), trace, timeline, facts=facts, idle=gaps)
     except DiagnoseError as exc:
         return Loaded(Path(path), error=str(exc))
     except MemoryError:
@@ -112,6 +118,17 @@ def _load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
         detail = " ".join(str(exc).split())[:200]
         return Loaded(Path(path), error=one_line(f"{path}: could not be read ({INTERNAL_ERROR}: "
                                                  f"{type(exc).__name__}: {detail}; please report it)"))
+
+
+def _idle(trace: RankTrace, tl: RankTimeline) -> IdleModel | ReduceFailed | None:
+    """The GPU rank's idle model, built once next to its timeline: the breakdown and every check
+    that talks about device idle time read this one model."""
+    if not tl.is_gpu or not len(tl.steps):
+        return None
+    try:
+        return idle_model(trace, tl)
+    except Exception as exc:  # noqa: BLE001 - the checks that need it fail on this rank; the others go on
+        return ReduceFailed(one_line(f"idle model: {type(exc).__name__}: {exc}")[:300])
 
 
 def _keep_only(trace: RankTrace, rows: set[int]) -> None:
@@ -272,6 +289,7 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     by_rank = _assign_ranks([x.trace for x in ok], warnings)
     timeline_of = {id(x.trace): x.timeline for x in ok}
     facts_of = {id(x.trace): x.facts for x in ok}
+    idle_of = {id(x.trace): x.idle for x in ok}
     world = _check_one_run(by_rank)
     _check_overlap(by_rank)
     timelines: dict[int, RankTimeline] = {}
@@ -295,7 +313,8 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     backends = {t.backend for t in by_rank.values() if t.backend}
     run = Run(traces={r: by_rank[r] for r in timelines}, timelines=timelines, world_size=world,
               backend=next(iter(backends)) if len(backends) == 1 else None, clock_offsets_us={},
-              warnings=warnings, skipped=skipped, facts={r: facts_of[id(by_rank[r])] for r in timelines})
+              warnings=warnings, skipped=skipped, facts={r: facts_of[id(by_rank[r])] for r in timelines},
+              idle={r: idle_of[id(by_rank[r])] for r in timelines if idle_of[id(by_rank[r])] is not None})
     run.clock_offsets_us = _align_clocks(timelines, run.traces, warnings)
     if run.missing_ranks:
         found = len(run.ranks)

@@ -40,9 +40,9 @@ import pandas as pd
 
 from diagnose.ingest.load import (KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, KIND_MEMCPY,
                                   KIND_MEMSET, KIND_RUNTIME, RankTrace)
-from diagnose.intervals import Intervals, covered, intersect, union
+from diagnose.step.intervals import Intervals, covered, intersect, union
 from diagnose.thresholds import DEFAULT, Thresholds
-from diagnose.timeline import PROFILER_STEP, RankTimeline, _names_matching
+from diagnose.step.timeline import PROFILER_STEP, RankTimeline, _names_matching
 
 CLASSES = ("latency", "queued", "sync", "input", "launch", "unattributed")
 LATENCY, QUEUED, SYNC, INPUT, LAUNCH, UNATTRIBUTED = range(len(CLASSES))
@@ -57,6 +57,8 @@ PAGEABLE = re.compile(r"Pageable")
 H2D = re.compile(r"HtoD|Host to Device|H2D", re.IGNORECASE)
 GRAPH_LAUNCH = re.compile(r"GraphLaunch")
 STREAM_WAIT = re.compile(r"StreamWaitEvent")
+# runtime calls that put work on the device (each should have a device event with its correlation)
+LAUNCH_CALL = re.compile(r"^(cuda|hip|hipExt|cu)\w*(LaunchKernel|Memcpy\w*Async|Memset\w*Async|GraphLaunch)")
 DATALOADER_OP = re.compile(r"^enumerate\(DataLoader\)#")
 NO_OP = "(no op open: Python between ops)"
 TOP_OPS = 8
@@ -71,6 +73,9 @@ class IdleModel:
     """(steps,) device idle inside each step: step time minus busy time."""
     by_class_us: np.ndarray
     """(steps, len(CLASSES)): idle per step and class; rows sum to step_idle_us."""
+    outside_dataloader_us: np.ndarray
+    """(steps, len(CLASSES)): the same, outside DataLoader spans: the split of the breakdown's
+    `other_ms` (idle under a DataLoader span is the breakdown's `dataloader_ms`)."""
     queued_by_sub_us: np.ndarray
     """(steps, len(SUBTAGS)): the queued class per step by sub-tag."""
     launch_long_us: np.ndarray
@@ -103,6 +108,13 @@ class IdleModel:
     """Median over linked kernels of start minus launch-call end."""
     clock_bound_us: float | None
     """min(device start - launch-call start): below 0, the host clock runs at least that far ahead."""
+    launch_calls: int = 0
+    """Runtime calls inside the steps that put work on the device (kernels, async copies, graphs)."""
+    launches_without_device: int = 0
+    """Of those, the ones no recorded device event links to (their work is missing from the trace)."""
+    graph_launches: int = 0
+    graph_launches_empty: int = 0
+    """CUDA graph launches with no recorded kernel: the graph's work is not in the trace."""
 
     def class_ms(self, name: str) -> float:
         """Mean per-step ms of one class."""
@@ -357,6 +369,7 @@ def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> 
     pts = np.unique(np.concatenate([g_start[np.isfinite(g_start)], g_end[np.isfinite(g_end)], lo, hi,
                                     dl.starts, dl.ends]))
     by_class = np.zeros((n_steps, len(CLASSES)))
+    outside_dl = np.zeros((n_steps, len(CLASSES)))
     by_sub = np.zeros((n_steps, len(SUBTAGS)))
     launch_long = np.zeros(n_steps)
     in_steps = np.zeros(n)
@@ -376,6 +389,7 @@ def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> 
         pc = cls[gi].astype(np.int64)
         pc = np.where((pc == LAUNCH) & in_dl, INPUT, pc)
         np.add.at(by_class, (si, pc), plen)
+        np.add.at(outside_dl, (si[~in_dl], pc[~in_dl]), plen[~in_dl])
         q = pc == QUEUED
         np.add.at(by_sub, (si[q], sub[gi[q]].astype(np.int64)), plen[q])
         ll = (pc == LAUNCH) & long_gap[gi]
@@ -407,14 +421,42 @@ def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> 
     kern = (link >= 0) & np.isin(d_kind, [KIND_KERNEL, KIND_COMM_KERNEL])
     delay = d_ts[kern] - r_end[link[kern]] if kern.any() else np.zeros(0)
     bound = d_ts[link >= 0] - r_ts[link[link >= 0]] if (link >= 0).any() else np.zeros(0)
+    # completeness: launch calls inside the steps whose device work the trace does not hold
+    r_in = np.zeros(r_ts.size, dtype=bool)
+    if n_steps and r_ts.size:
+        k = np.searchsorted(lo, r_ts, side="right") - 1
+        r_in = (k >= 0) & (r_ts < hi[np.clip(k, 0, None)])
+    launching = r_in & _names_matching(rt, LAUNCH_CALL) if len(rt) else r_in
+    no_dev = launching & (r_corr >= 0) & ~np.isin(r_corr, d_corr)
+    graphs = launching & _names_matching(rt, GRAPH_LAUNCH) if len(rt) else r_in
     return IdleModel(
-        steps=n_steps, step_idle_us=step_idle, by_class_us=by_class, queued_by_sub_us=by_sub,
+        steps=n_steps, step_idle_us=step_idle, by_class_us=by_class, outside_dataloader_us=outside_dl,
+        queued_by_sub_us=by_sub,
         launch_long_us=launch_long, start=g_start, end=g_end, in_steps_us=in_steps, cls=cls, sub=sub,
         end_row=end_row.astype(np.int64), launch_row=launch_row.astype(np.int64), sync_row=sync_row,
         prev_row=prev_row.astype(np.int64), queued_us=queued_us, long_gap_ops=ops,
         device_events=int(in_win.sum()), linked=linked,
         median_launch_delay_us=float(np.median(delay)) if delay.size else None,
-        clock_bound_us=float(bound.min()) if bound.size else None)
+        clock_bound_us=float(bound.min()) if bound.size else None,
+        launch_calls=int(launching.sum()), launches_without_device=int(no_dev.sum()),
+        graph_launches=int(graphs.sum()), graph_launches_empty=int((graphs & no_dev).sum()))
+
+
+def completeness(m: IdleModel, th: Thresholds = DEFAULT) -> tuple[str, ...]:
+    """What makes this rank's idle classes uncertain: missing device work, CUDA graphs whose
+    kernels were not traced, host and device clocks that disagree. Empty when none applies."""
+    notes = []
+    if m.graph_launches and m.graph_launches_empty > th.empty_graph_share * m.graph_launches:
+        notes.append(f"{m.graph_launches_empty} of {m.graph_launches} CUDA graph launches have no recorded "
+                     "kernel: the device looks idle while the graphs run")
+    if m.launch_calls and m.launches_without_device > th.unmatched_launch_share * m.launch_calls:
+        notes.append(f"{m.launches_without_device / m.launch_calls:.0%} of the launch calls in the steps have no "
+                     "device event: device work is missing, idle time is overstated")
+    if m.clock_bound_us is not None and m.clock_bound_us < -th.clock_skew_us:
+        notes.append(f"a device event starts {-m.clock_bound_us:.0f} us before its launch call: host and device "
+                     "clocks disagree by at least that much, so gaps near that size may be misfiled between "
+                     "queued and host launch")
+    return tuple(notes)
 
 
 def _prev_call_same_thread(tid: np.ndarray, ts: np.ndarray) -> np.ndarray:

@@ -1,0 +1,11 @@
+"""The core model of a training step, shared by every check and command.
+
+- `intervals`: vectorised interval arithmetic (unions, intersections, coverage per window).
+- `timeline`: one rank's lanes (compute, communication, DataLoader wait) and its steps.
+- `collectives`: collectives matched across ranks: arrival, lateness, the wait each rank imposes.
+- `breakdown`: each rank's step split into disjoint components that sum to the step.
+- `idle`: why a GPU idles: every idle gap attributed to one cause from its launch link.
+
+Commands (`diff`, `scaling`, `oncall`, ...) and the checklist (`analyzers/`) are built on
+these; nothing here imports them.
+"""
