@@ -39,7 +39,7 @@ class Entry:
 CHECKLIST: tuple[Entry, ...] = (
     Entry("dataloader", dataloader.analyze, dataloader.reduce),
     Entry("communication", communication.analyze),
-    Entry("straggler", straggler.analyze),
+    Entry("straggler", straggler.analyze, straggler.reduce),
     Entry("launch_overhead", launch.analyze, launch.reduce, uses_idle=True),
     # the queued idle launch_overhead leaves out: work launched, device waiting on something else
     Entry("device_wait", device_wait.analyze, device_wait.reduce, uses_idle=True),

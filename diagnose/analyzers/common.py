@@ -1,6 +1,9 @@
 """Helpers shared by the analyzers: shares, severities, check construction."""
 from __future__ import annotations
 
+import numpy as np
+import pandas as pd
+
 from diagnose.model import Check, Finding
 from diagnose.step.idle import IdleModel, completeness
 from diagnose.thresholds import Thresholds
@@ -48,3 +51,27 @@ def flag_or_pass(finding: Finding, threshold: float, th: Thresholds, reason_flag
     return Check(id=finding.id, title=finding.title, status="passed",
                  reason=below(threshold, finding.recoverable_ms, finding.share_of_step),
                  measured_ms=finding.recoverable_ms)
+
+
+def self_times(df: pd.DataFrame) -> np.ndarray:
+    """Self time of each op (duration minus its direct children), per thread.
+
+    Rows must be sorted by (tid, ts, -dur). One stack walk: CPU-only traces hold
+    tens of thousands of ops per step at most, so a Python loop is fast enough here.
+    """
+    ts = df["ts"].to_numpy()
+    end = ts + df["dur"].to_numpy()
+    tids = df["tid"].to_numpy()
+    self_t = df["dur"].to_numpy().copy()
+    stack: list[int] = []
+    prev_tid = None
+    for i in range(len(ts)):
+        if tids[i] != prev_tid:
+            stack.clear()
+            prev_tid = tids[i]
+        while stack and end[stack[-1]] <= ts[i]:
+            stack.pop()
+        if stack:
+            self_t[stack[-1]] -= min(end[i], end[stack[-1]]) - ts[i]
+        stack.append(i)
+    return np.maximum(self_t, 0.0)

@@ -1,9 +1,10 @@
 """2. Communication vs compute overlap.
 
 Estimation: per rank, the mean per-step communication time not hidden under
-compute, less the time spent waiting for the single last-arriving rank when that is
-a straggler (the straggler check's part). When no rank is last more than chance, that
-waiting is arrival jitter and stays here. Job-level: the median rank, since a
+compute, less the time spent waiting for the last-arriving rank. That waiting is never
+booked here, whether the straggler check names a rank (its part) or finds arrival jitter
+(no rank to fix; the straggler check reports its size): no bucket size or interconnect
+change shortens a wait for a late peer. Job-level: the median rank, since a
 collective ends at the same moment on every rank and the median is robust to one
 rank's noise.
 Also reports collectives per step, their sizes, and overlap.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
-from diagnose.analyzers.straggler import late_rank
 from diagnose.context import Context
 from diagnose.step.intervals import covered
 from diagnose.model import Check, Finding
@@ -41,11 +41,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                                "the profiler may not have recorded communication")]
     exposed = ctx.per_rank_mean("exposed_comm_ms")
     wait = ctx.per_rank_mean("straggler_wait_ms")
-    late = late_rank(ctx, th)
-    jitter = late is not None and not late.beyond_chance(th)
     wait_ms = float(np.median(wait.to_numpy()))
-    if jitter:  # no straggler to fix: waiting for whoever came last is part of communicating
-        exposed = exposed + wait
     ms = float(np.median(exposed.to_numpy()))
     share = ms / ctx.mean_step_ms
     totals, counts, sizes = {}, [], []
@@ -56,7 +52,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
             counts.append(c.groupby("step").size().mean())
             sizes += list(c["bytes"].dropna())
     total_ms = float(np.median(list(totals.values())))
-    hidden = max(total_ms - ms - (0.0 if jitter else wait_ms), 0.0)
+    hidden = max(total_ms - ms - wait_ms, 0.0)
     per_step = float(np.median(counts)) if counts else 0.0
     median_bytes = float(np.median(sizes)) if sizes else float("nan")
     tiny = per_step >= MANY_COLLECTIVES and (not sizes or median_bytes < SMALL_BYTES)
@@ -68,8 +64,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         "median_collective_bytes": round(median_bytes) if sizes else "not recorded",
         "share_of_step": round(share, 4),
     }
-    if jitter:
-        metrics["includes_arrival_jitter_ms_per_step"] = round(wait_ms, 3)
+    if wait_ms > 0:
+        metrics["peer_wait_ms_per_step_not_counted"] = round(wait_ms, 3)
     for r in exposed.index:
         metrics[f"rank{r}_exposed_comm_ms"] = round(float(exposed[r]), 3)
     if run.is_gpu:
@@ -89,7 +85,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         ranks=ranks or tuple(run.ranks), metrics=metrics, events=refs, fix=FIX_TINY if tiny else FIX,
         confidence=confidence_for(ctx, "high" if len(run.ranks) > 1 else "medium"),
         method="Median over ranks of per-step communication not hidden under compute, excluding time "
-               "spent waiting for a straggler (the last-arriving rank, when it is last beyond chance).")
+               "spent waiting for the last-arriving rank (a late peer: the straggler check's).")
     reason = (f"communication is exposed {ms:.1f} ms per step ({share:.0%}); "
               f"{metrics['overlapped_share']:.0%} of it overlaps compute")
     if tiny:

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.step import idle
-from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable
+from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable, self_times
 from diagnose.context import Context
 from diagnose.step.intervals import covered
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, RankTrace
@@ -205,30 +205,6 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
     return check
 
 
-def _self_times(df: pd.DataFrame) -> np.ndarray:
-    """Self time of each op (duration minus its direct children), per thread.
-
-    Rows must be sorted by (tid, ts, -dur). One stack walk: CPU-only traces hold
-    tens of thousands of ops per step at most, so a Python loop is fast enough here.
-    """
-    ts = df["ts"].to_numpy()
-    end = ts + df["dur"].to_numpy()
-    tids = df["tid"].to_numpy()
-    self_t = df["dur"].to_numpy().copy()
-    stack: list[int] = []
-    prev_tid = None
-    for i in range(len(ts)):
-        if tids[i] != prev_tid:
-            stack.clear()
-            prev_tid = tids[i]
-        while stack and end[stack[-1]] <= ts[i]:
-            stack.pop()
-        if stack:
-            self_t[stack[-1]] -= min(end[i], end[stack[-1]]) - ts[i]
-        stack.append(i)
-    return np.maximum(self_t, 0.0)
-
-
 def _op_overhead(ev: pd.DataFrame, tl: RankTimeline) -> OpOverhead:
     host_kinds = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
     comm_tids = tl.comm_threads
@@ -236,7 +212,7 @@ def _op_overhead(ev: pd.DataFrame, tl: RankTimeline) -> OpOverhead:
             | _names_matching(ev, CPU_COMM_ENQUEUE) | _names_matching(ev, CPU_COMM_TRANSFER))
     ops = ev[host_kinds & ~excl & ~ev["tid"].astype(str).isin(comm_tids).to_numpy()]
     ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
-    ops = ops.assign(self_us=_self_times(ops))
+    ops = ops.assign(self_us=self_times(ops))
     # ops inside a DataLoader fetch are input work, counted by the dataloader check
     if len(tl.dataloader):
         inside = covered(tl.dataloader, ops["ts"], ops["ts"] + ops["dur"]) > 0

@@ -14,12 +14,18 @@ profiled steps or in the probes' every-step record:
 - its arrival minus the latest other rank's is positive on average (Student's t):
   strong with few collectives when the lateness is steady (4 of 4 collectives late by
   50 ms each is no coin toss, though 4 heads in a row can be).
-Otherwise the waiting is arrival jitter, and the check passes saying so.
+Otherwise the waiting is arrival jitter, and the check passes saying so (and how much: no
+other check books a wait for a late peer).
 
 Estimation: the median, over the other ranks, of the per-step time they spend
 waiting for the last rank alone (after the second-latest arrived): had the late
 rank arrived with the rest, each collective, and so the step, would end that much
 sooner.
+
+Why the rank is late: its step breakdown against the median of the others (compute, the
+DataLoader, host gaps or device idle, its own communication: the largest excess is named),
+and its ops (CPU: self time per op name; GPU: kernels per name) against the median rank's
+over the same steps: "aten::mm +111.0 ms/step (+8 calls)".
 """
 from __future__ import annotations
 
@@ -29,9 +35,12 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, self_times
 from diagnose.context import Context
+from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
+from diagnose.step.timeline import CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline, \
+    _names_matching
 from diagnose.probedata import every_step_lateness
 from diagnose.thresholds import Thresholds
 
@@ -41,6 +50,78 @@ FIX = ("Find what makes the named rank(s) late: compare their step breakdown wit
        "(extra compute, DataLoader, host contention, thermal throttling, a slower node or NIC); "
        "balance the work per rank (uneven batches, sequence lengths, embedding shards); "
        "move the job off a noisy host.")
+
+
+TOP_OPS = 200  # per rank: enough to diff any op that matters, small enough to ship from a worker
+SOURCES = {"compute_ms": "compute", "dataloader_ms": "the DataLoader", "other_ms": "host gaps or device idle",
+           "exposed_comm_ms": "its own communication"}
+
+
+@dataclass(frozen=True, slots=True)
+class RankOps:
+    """One rank's work by op name over its profiled steps: (name, ms per step, calls per step)."""
+
+    ops: tuple[tuple[str, float, float], ...]
+    rows: tuple[int, ...] = ()
+
+
+def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
+    ev = trace.events
+    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    if tl.is_gpu:
+        ops = ev[(ev["kind"] == KIND_KERNEL).to_numpy()]
+        ops = ops.assign(self_us=ops["dur"].to_numpy(dtype=float))
+    else:
+        host = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
+        skip = (_names_matching(ev, PROFILER_STEP) | _names_matching(ev, DATALOADER)
+                | _names_matching(ev, CPU_COMM_ENQUEUE) | _names_matching(ev, CPU_COMM_TRANSFER))
+        ops = ev[host & ~skip & ~ev["tid"].astype(str).isin(tl.comm_threads).to_numpy()]
+        ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
+        ops = ops.assign(self_us=self_times(ops))
+    k = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
+    ops = ops[(k >= 0) & (ops["ts"].to_numpy() < hi[np.clip(k, 0, None)])]
+    if ops.empty:
+        return RankOps(ops=())
+    g = ops.groupby(ops["name"].astype(str))["self_us"].agg(["sum", "size"]).nlargest(TOP_OPS, "sum")
+    n = max(len(lo), 1)
+    return RankOps(ops=tuple((str(name), float(r["sum"]) / 1000 / n, float(r["size"]) / n)
+                             for name, r in g.iterrows()))
+
+
+MIN_OP_EXCESS_MS = 0.05  # the healthy floor: below it an op's excess is timer noise
+
+
+def _short(name: str) -> str:
+    """A kernel's or op's name without its template arguments and signature, for one line."""
+    n = name.removeprefix("void ").split("(")[0].split("<")[0].strip() or name
+    return n[:80]
+
+
+def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str]:
+    """(largest source of the rank's excess, excess per breakdown component in ms per step, the ops
+    it spends more time in than the median other rank)."""
+    means = ctx.table.groupby("rank")[list(SOURCES)].mean()
+    if rank not in means.index or len(means) < 2:
+        return None, {}, ""
+    excess = (means.loc[rank] - means.drop(index=rank).median()).to_dict()
+    top = max(excess, key=excess.get)
+    source = SOURCES[top] if excess[top] > 0 else None
+    ops = ""
+    try:
+        facts = ctx.facts(ID)
+    except RuntimeError:
+        facts = {}
+    if rank in facts and len(facts) >= 2:
+        frame = pd.DataFrame([(r, n, ms, c) for r, f in facts.items() for n, ms, c in f.ops],
+                             columns=["rank", "name", "ms", "calls"])
+        table = frame.pivot_table(index="name", columns="rank", values=["ms", "calls"], fill_value=0.0)
+        others = [r for r in facts if r != rank]
+        d_ms = table["ms"][rank] - table["ms"][others].median(axis=1)
+        d_calls = table["calls"][rank] - table["calls"][others].median(axis=1)
+        top_ops = d_ms[d_ms >= MIN_OP_EXCESS_MS].nlargest(3)
+        ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
+                                                             else "") for n, v in top_ops.items())
+    return source, {k: round(float(v), 3) for k, v in excess.items()}, ops
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -216,17 +297,29 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     refs = tuple(ctx.event_ref(int(r.rank), int(r.row), f"arrived {r.lateness / 1000:.2f} ms after the median rank")
                  for r in rows.itertuples())
     names = ", ".join(map(str, named))
+    reason = (f"rank {names} is last to arrive at {consistent:.0%} of {n} collectives; the others wait "
+              f"{ms:.1f} ms per step for it")
+    if len(named) == 1:
+        source, excess, ops = why_late(ctx, named[0])
+        if source:
+            metrics["late_from"] = source
+            key = next(k for k, v in SOURCES.items() if v == source)
+            reason += f"; it is late from {source} (+{excess[key]:.1f} ms per step against the median rank)"
+        for k, v in excess.items():
+            metrics[f"late_rank_extra_{k}"] = v
+        if ops:
+            metrics["late_rank_extra_ops"] = ops
+            reason += f": {ops}"
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=tuple(named), metrics=metrics, events=refs, fix=FIX, confidence=confidence_for(ctx, base),
         method="Median over the other ranks of per-step time spent waiting, at each collective, for the "
                "last rank alone (after the second-latest arrived).")
-    reason = (f"rank {names} is last to arrive at {consistent:.0%} of {n} collectives; the others wait "
-              f"{ms:.1f} ms per step for it")
     if not late.beyond_chance(th):
         # measured 0: the waiting is the communication check's, counted there once
         return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
                       reason=f"no rank is late more than chance: rank {names} is last at {consistent:.0%} of {n} "
                              f"collectives against {late.chance:.0%} by chance (p={late.p_value:.2f}); the "
-                             f"{ms:.1f} ms per step of waiting is arrival jitter, counted as exposed communication")]
+                             f"{ms:.1f} ms per step of waiting is arrival jitter: no single rank to fix, and "
+                             "not booked as exposed communication either")]
     return [flag_or_pass(f, th.straggler, th, reason)]

@@ -1,0 +1,414 @@
+"""The step as a dependency graph across ranks: replay, what-ifs by replay, critical path.
+
+Model (aligned clocks, every rank loaded):
+- Each rank has a *lane*: its program, the thread of work that steps run on (GPU: the
+  device's compute, idle and exposed-communication time; CPU: the training thread). The lane
+  is a chain of points in time order: step starts and ends, collective arrivals, and resume
+  points. A lane edge's weight is the measured time between two consecutive points minus the
+  time the lane was *blocked* on communication in between (the breakdown's exposed
+  communication), and carries its composition (DataLoader wait, each idle class of the idle
+  model, the rest: compute and host work).
+- A collective instance (step, process group, order: diagnose/step/collectives.py) ends on
+  rank r no earlier than the last participant's arrival plus r's transfer (measured end minus
+  the measured last arrival), and its arrival waits for the previous collective on the same
+  rank when it started after that one ended (stream order).
+- A blocked stretch of a lane ends at a *resume* point that depends on the end of the
+  collective it waited for (the latest one on the rank ending inside the stretch); a blocked
+  stretch no collective explains stays lane time.
+Every edge goes from an earlier measured time to a later one, so processing nodes in measured
+time order is a topological order, and the longest-path schedule (each node at the max over
+its predecessors of their time plus the edge weight) is one pass. With measured weights it
+reproduces every measured point; where it does not (clock skew, a collective that ends before
+its last arrival), the fidelity figure says by how much.
+
+Edits change weights, never the dependencies: remove DataLoader waits, bring a rank's lane
+segments to the median rank's, shrink transfers to their best observed duration, remove sync
+drains, halve host-launch gaps. The what-if of an edit is the unedited replay's mean step
+minus the edited one's: a freed wait that exposes another costs nothing, and removing two
+causes together is not the sum of removing each.
+
+Columnar: nodes and edges are numpy arrays; the one Python loop runs over nodes (a few per
+collective per rank), never over trace events.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from diagnose.ingest.assemble import ReduceFailed, Run
+from diagnose.step.idle import CLASSES, IdleModel
+from diagnose.step.intervals import Intervals, covered, subtract, union
+
+# node kinds, in the order they are processed at equal times
+STEP_START, ARRIVAL, COLL_END, RESUME, STEP_END = range(5)
+# lane composition columns: DataLoader wait, then the idle model's classes, the rest last
+PARTS = ("dataloader",) + tuple(f"idle_{c}" for c in CLASSES) + ("compute",)
+DL, COMPUTE = 0, len(PARTS) - 1
+# edge categories on the critical path
+LANE, TRANSFER, ORDER = range(3)
+
+
+@dataclass(frozen=True, slots=True)
+class StepGraph:
+    """Nodes (one row each) and the weights that edits change. Node arrays are parallel."""
+
+    rank: np.ndarray
+    kind: np.ndarray
+    time: np.ndarray
+    """Measured time of the node (aligned us); its processing order."""
+    step: np.ndarray
+    """The rank's step the node belongs to (step bounds and collectives; lane points between)."""
+    seg: np.ndarray
+    """Segment id of the lane edge ending at the node (same id on every rank: for the median)."""
+    lane_prev: np.ndarray
+    """Previous node on the rank's lane (-1: the rank's first point, anchored at its time)."""
+    lane_parts: np.ndarray
+    """(nodes, len(PARTS)): the lane edge ending at the node, by part (us); rows sum to its weight."""
+    group: np.ndarray
+    """Collective instance of an ARRIVAL or COLL_END node (-1 otherwise)."""
+    transfer: np.ndarray
+    """COLL_END: the rank's transfer (us) after the last arrival."""
+    order_prev: np.ndarray
+    """ARRIVAL: the rank's previous COLL_END it must follow (stream order; -1: none)."""
+    resume_of: np.ndarray
+    """RESUME: the COLL_END it waited for; its lag (measured resume minus that end) is in lag."""
+    lag: np.ndarray
+    n_groups: int
+    group_key: pd.DataFrame
+    """One row per collective instance: step, pg, seq."""
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(set(self.rank.tolist()))
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    time: np.ndarray
+    """Replayed time of every node."""
+    via: np.ndarray
+    """The predecessor that set each node's time (-1: anchored), and the edge category."""
+    via_cat: np.ndarray
+    step_ms: dict[tuple[int, int], float]
+    """(rank, step) -> replayed step duration (ms)."""
+
+    @property
+    def mean_step_ms(self) -> float:
+        return float(np.mean(list(self.step_ms.values()))) if self.step_ms else 0.0
+
+
+def _shift(iv: Intervals, off: float) -> Intervals:
+    return Intervals(iv.starts + off, iv.ends + off) if off else iv
+
+
+def _idle_sets(m: IdleModel | ReduceFailed | None, off: float, lo: float, hi: float) -> list[Intervals]:
+    """Per idle class, the rank's idle gaps of that class (aligned clock; open ends cut at the steps)."""
+    if m is None or isinstance(m, ReduceFailed):
+        return [Intervals.empty() for _ in CLASSES]
+    a, b = np.maximum(m.start, lo), np.minimum(m.end, hi)
+    return [union(a[m.cls == k] + off, b[m.cls == k] + off) for k in range(len(CLASSES))]
+
+
+def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
+    """The dependency graph of every profiled step of every loaded rank."""
+    coll = []
+    for r in run.ranks:
+        c = run.timelines[r].collectives
+        if len(c):
+            off = run.clock_offsets_us.get(r, 0.0)
+            coll.append(c.assign(rank=r, arrival=c["arrival"] + off, end=c["end"] + off))
+    allc = pd.concat(coll, ignore_index=True) if coll else pd.DataFrame(
+        columns=["step", "pg", "seq", "rank", "arrival", "end"])
+    allc = allc[allc["step"] >= 0].reset_index(drop=True)
+    keys = allc[["step", "pg", "seq"]].drop_duplicates().reset_index(drop=True)
+    allc = allc.merge(keys.reset_index().rename(columns={"index": "group"}), on=["step", "pg", "seq"])
+    latest = allc.groupby("group")["arrival"].transform("max").to_numpy(dtype=float)
+    c_end = np.maximum(allc["end"].to_numpy(dtype=float), latest)  # never before the last arrival
+    c_rank = allc["rank"].to_numpy()
+    c_arr = allc["arrival"].to_numpy(dtype=float)
+    c_step = allc["step"].to_numpy().astype(np.int64)
+    c_pg = allc["pg"].to_numpy()
+    c_seq = allc["seq"].to_numpy().astype(np.int64)
+    c_group = allc["group"].to_numpy().astype(np.int64)
+
+    rank_l, kind_l, time_l, step_l, seg_l, group_l, transfer_l, ref_l = [], [], [], [], [], [], [], []
+    # segment ids: a stable code per (kind, step, pg, seq) so ranks' segments line up
+    seg_codes: dict[tuple, int] = {}
+
+    def seg_id(key: tuple) -> int:
+        return seg_codes.setdefault(key, len(seg_codes))
+
+    blocked_by_rank: dict[int, Intervals] = {}
+    parts_sets: dict[int, list[Intervals]] = {}
+    for r in run.ranks:
+        tl = run.timelines[r]
+        off = run.clock_offsets_us.get(r, 0.0)
+        lo = tl.steps["start"].to_numpy(dtype=float) + off
+        hi = tl.steps["end"].to_numpy(dtype=float) + off
+        steps = tl.steps["step"].to_numpy()
+        if tl.is_gpu:
+            blocked = subtract(tl.comm, tl.compute)
+            busy = union(np.concatenate([tl.compute.starts, tl.comm.starts]),
+                         np.concatenate([tl.compute.ends, tl.comm.ends]))
+            dl = subtract(tl.dataloader, busy)
+        else:
+            blocked = subtract(subtract(tl.comm, tl.compute), tl.dataloader)
+            dl = tl.dataloader
+        blocked, dl = _shift(blocked, off), _shift(dl, off)
+        gaps = _idle_sets(run.idle.get(r), off, float(lo.min()) - off, float(hi.max()) - off)
+        idle_sets = [subtract(s, dl) for s in gaps]
+        parts_sets[r] = [dl, *idle_sets]
+        for s, a, b in zip(steps, lo, hi):
+            rank_l += [r, r]; kind_l += [STEP_START, STEP_END]; time_l += [a, b]; step_l += [int(s), int(s)]
+            seg_l += [seg_id(("start", int(s))), seg_id(("end", int(s)))]
+            group_l += [-1, -1]; transfer_l += [0.0, 0.0]; ref_l += [-1, -1]
+        mine = np.flatnonzero(c_rank == r)
+        for i in mine:
+            st = int(c_step[i])
+            rank_l += [r, r]; kind_l += [ARRIVAL, COLL_END]
+            time_l += [float(c_arr[i]), float(c_end[i])]
+            step_l += [st, st]; seg_l += [seg_id(("arr", st, c_pg[i], int(c_seq[i]))), -1]
+            group_l += [int(c_group[i])] * 2; transfer_l += [0.0, float(c_end[i] - latest[i])]; ref_l += [-1, -1]
+        # resume points: the end of each blocked stretch inside the steps
+        win = union(lo, hi)
+        bl = Intervals(np.maximum(blocked.starts, win.starts.min()), np.minimum(blocked.ends, win.ends.max()))
+        keep = bl.ends > bl.starts
+        bl = Intervals(bl.starts[keep], bl.ends[keep])
+        ends_r = c_end[mine]
+        order = np.argsort(ends_r, kind="stable")
+        se = ends_r[order]
+        explained = np.zeros(len(bl), dtype=bool)
+        for n_b, (b0, b1) in enumerate(zip(bl.starts, bl.ends)):
+            j = np.searchsorted(se, b1 + resume_slack_us, side="right") - 1
+            if j < 0 or se[j] < b0:
+                continue  # nothing this rank waited for ended inside the stretch: lane time
+            explained[n_b] = True
+            i = mine[order[j]]
+            k = int(np.searchsorted(lo, b1, side="right") - 1)
+            st = int(steps[max(k, 0)])
+            rank_l.append(r); kind_l.append(RESUME); time_l.append(max(float(b1), float(c_end[i])))
+            step_l.append(st); seg_l.append(seg_id(("resume", int(c_step[i]), c_pg[i], int(c_seq[i]))))
+            group_l.append(int(c_group[i]))
+            transfer_l.append(0.0); ref_l.append(int(i))
+        blocked_by_rank[r] = Intervals(bl.starts[explained], bl.ends[explained])
+
+    rank = np.asarray(rank_l, dtype=np.int64)
+    kind = np.asarray(kind_l, dtype=np.int8)
+    time = np.asarray(time_l, dtype=float)
+    order = np.lexsort((kind, time))
+    rank, kind, time = rank[order], kind[order], time[order]
+    step = np.asarray(step_l, dtype=np.int64)[order]
+    seg = np.asarray(seg_l, dtype=np.int64)[order]
+    group = np.asarray(group_l, dtype=np.int64)[order]
+    transfer = np.asarray(transfer_l, dtype=float)[order]
+    ref = np.asarray(ref_l, dtype=np.int64)[order]
+    n = time.size
+
+    # COLL_END node of each (collective row): to link resumes and stream order
+    end_node_of_row = {}
+    row_of_node = np.full(n, -1, dtype=np.int64)
+    coll_rows = {(int(r), int(gi)): i for i, (r, gi) in enumerate(zip(c_rank, c_group))}
+    for v in np.flatnonzero(kind == COLL_END):
+        i = coll_rows[(int(rank[v]), int(group[v]))]
+        end_node_of_row[i] = v
+        row_of_node[v] = i
+    resume_of = np.full(n, -1, dtype=np.int64)
+    lag = np.zeros(n)
+    res = np.flatnonzero(kind == RESUME)
+    for v in res:
+        e = end_node_of_row[int(ref[v])]
+        resume_of[v] = e
+        lag[v] = max(time[v] - time[e], 0.0)
+
+    # lane chains and the composition of each lane edge
+    lane_prev = np.full(n, -1, dtype=np.int64)
+    lane_parts = np.zeros((n, len(PARTS)))
+    order_prev = np.full(n, -1, dtype=np.int64)
+    for r in run.ranks:
+        lane = np.flatnonzero((rank == r) & (kind != COLL_END))
+        if lane.size < 2:
+            continue
+        lane_prev[lane[1:]] = lane[:-1]
+        a, b = time[lane[:-1]], time[lane[1:]]
+        lane_w = np.maximum(b - a - covered(blocked_by_rank[r], a, b), 0.0)
+        parts = np.zeros((lane.size - 1, len(PARTS)))
+        for k, s in enumerate(parts_sets[r]):
+            parts[:, k] = covered(s, a, b)
+        # what is left is compute and host work; parts never exceed the edge
+        scale = np.where(parts[:, :COMPUTE].sum(axis=1) > lane_w,
+                         lane_w / np.maximum(parts[:, :COMPUTE].sum(axis=1), 1e-12), 1.0)
+        parts[:, :COMPUTE] *= scale[:, None]
+        parts[:, COMPUTE] = lane_w - parts[:, :COMPUTE].sum(axis=1)
+        lane_parts[lane[1:]] = parts
+        # stream order: an arrival after the rank's previous collective ended waits for it
+        ends = np.flatnonzero((rank == r) & (kind == COLL_END))
+        arr = np.flatnonzero((rank == r) & (kind == ARRIVAL))
+        if ends.size and arr.size:
+            j = np.searchsorted(time[ends], time[arr], side="left") - 1  # ends strictly before
+            ok = j >= 0
+            order_prev[arr[ok]] = ends[j[ok]]
+    return StepGraph(rank=rank, kind=kind, time=time, step=step, seg=seg, lane_prev=lane_prev,
+                     lane_parts=lane_parts, group=group, transfer=transfer, order_prev=order_prev,
+                     resume_of=resume_of, lag=lag, n_groups=len(keys), group_key=keys)
+
+
+def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray | None = None) -> Replay:
+    """Longest-path schedule of the graph with these lane weights and transfers (default: measured)."""
+    w = g.lane_parts.sum(axis=1) if lane_w is None else lane_w
+    tr = g.transfer if transfer is None else transfer
+    n = g.time.size
+    t = np.empty(n)
+    via = np.full(n, -1, dtype=np.int64)
+    via_cat = np.full(n, -1, dtype=np.int8)
+    group_start = np.full(g.n_groups, -np.inf)
+    group_last = np.full(g.n_groups, -1, dtype=np.int64)
+    kind, lane_prev, group, order_prev, resume_of = g.kind, g.lane_prev, g.group, g.order_prev, g.resume_of
+    for v in range(n):
+        k = kind[v]
+        if k == COLL_END:
+            gi = group[v]
+            t[v] = group_start[gi] + tr[v]
+            via[v], via_cat[v] = group_last[gi], TRANSFER
+            continue
+        p = lane_prev[v]
+        if p < 0:
+            t[v] = g.time[v]  # the rank's first point is anchored where it was measured
+        else:
+            t[v] = t[p] + w[v]
+            via[v], via_cat[v] = p, LANE
+        if k == ARRIVAL:
+            o = order_prev[v]
+            if o >= 0 and t[o] > t[v]:
+                t[v], via[v], via_cat[v] = t[o], o, ORDER
+            gi = group[v]
+            if t[v] > group_start[gi]:
+                group_start[gi], group_last[gi] = t[v], v
+        elif k == RESUME:
+            e = resume_of[v]
+            if t[e] + g.lag[v] > t[v]:
+                t[v], via[v], via_cat[v] = t[e] + g.lag[v], e, ORDER
+    starts = {(int(g.rank[v]), int(g.step[v])): t[v] for v in np.flatnonzero(kind == STEP_START)}
+    step_ms = {(int(g.rank[v]), int(g.step[v])): (t[v] - starts[(int(g.rank[v]), int(g.step[v]))]) / 1000
+               for v in np.flatnonzero(kind == STEP_END) if (int(g.rank[v]), int(g.step[v])) in starts}
+    return Replay(time=t, via=via, via_cat=via_cat, step_ms=step_ms)
+
+
+def measured_step_ms(g: StepGraph) -> dict[tuple[int, int], float]:
+    starts = {(int(g.rank[v]), int(g.step[v])): g.time[v] for v in np.flatnonzero(g.kind == STEP_START)}
+    return {(int(g.rank[v]), int(g.step[v])): (g.time[v] - starts[(int(g.rank[v]), int(g.step[v]))]) / 1000
+            for v in np.flatnonzero(g.kind == STEP_END)}
+
+
+def fidelity(g: StepGraph, rep: Replay | None = None) -> float:
+    """Largest relative error of the unedited replay over every (rank, step)."""
+    rep = rep or replay(g)
+    meas = measured_step_ms(g)
+    errs = [abs(rep.step_ms[k] - v) / v for k, v in meas.items() if v > 0 and k in rep.step_ms]
+    return float(max(errs)) if errs else 0.0
+
+
+# ---- edits: each returns new lane weights (and transfers); the graph is never changed ----
+
+def without_parts(g: StepGraph, parts: dict[str, float], ranks: set[int] | None = None) -> np.ndarray:
+    """Lane weights with a fraction of some parts removed (e.g. {"dataloader": 1.0, "idle_launch": 0.5})."""
+    w = g.lane_parts.sum(axis=1).copy()
+    sel = np.ones(w.size, dtype=bool) if ranks is None else np.isin(g.rank, list(ranks))
+    for name, frac in parts.items():
+        w[sel] -= frac * g.lane_parts[sel, PARTS.index(name)]
+    return np.maximum(w, 0.0)
+
+
+def _anchor_segments(g: StepGraph) -> np.ndarray:
+    """For each lane node, the anchor it leads to: the next step bound or collective arrival on its
+    rank (every rank has those; resume points do not always exist), as that anchor's seg id."""
+    out = np.full(g.time.size, -1, dtype=np.int64)
+    for r in g.ranks:
+        lane = np.flatnonzero((g.rank == r) & (g.kind != COLL_END))
+        anchor = g.kind[lane] != RESUME
+        # next anchor at or after each position: reverse running minimum of anchor positions
+        pos = np.where(anchor, np.arange(lane.size), lane.size)
+        nxt = np.minimum.accumulate(pos[::-1])[::-1]
+        ok = nxt < lane.size
+        out[lane[ok]] = g.seg[lane[nxt[ok]]]
+    return out
+
+
+def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -> np.ndarray:
+    """Lane weights with each listed rank's work brought down to the median rank's: between two
+    anchors every rank has (step bounds, collective arrivals), a rank's lane time above the median
+    of the other ranks' (all ranks' when none is left) is scaled down to it."""
+    w = g.lane_parts.sum(axis=1).copy() if w is None else w.copy()
+    seg = _anchor_segments(g)
+    has = (g.lane_prev >= 0) & (seg >= 0)
+    frame = pd.DataFrame({"rank": g.rank[has], "seg": seg[has], "w": w[has]})
+    per = frame.groupby(["seg", "rank"])["w"].sum()
+    others = per[~per.index.get_level_values("rank").isin(list(ranks))]
+    med = (others if len(others) else per).groupby(level="seg").median()
+    for r in ranks:
+        if r not in per.index.get_level_values("rank"):
+            continue
+        mine = per.xs(r, level="rank")
+        factor = np.minimum(1.0, med.reindex(mine.index).to_numpy() / np.maximum(mine.to_numpy(), 1e-12))
+        f = pd.Series(factor, index=mine.index)
+        sel = has & (g.rank == r)
+        w[sel] *= f.reindex(seg[sel]).fillna(1.0).to_numpy()
+    return w
+
+
+def best_transfers(g: StepGraph) -> np.ndarray:
+    """Each collective's transfer shrunk to its best over the profiled steps (same rank, group, order)."""
+    tr = g.transfer.copy()
+    ce = np.flatnonzero(g.kind == COLL_END)
+    if not ce.size:
+        return tr
+    key = g.group_key.iloc[g.group[ce]]
+    frame = pd.DataFrame({"rank": g.rank[ce], "pg": key["pg"].to_numpy(), "seq": key["seq"].to_numpy(),
+                          "tr": tr[ce]})
+    tr[ce] = frame.groupby(["rank", "pg", "seq"])["tr"].transform("min").to_numpy()
+    return tr
+
+
+@dataclass(frozen=True, slots=True)
+class CriticalPath:
+    """Per step, the chain that set the step's end across ranks, by part and by rank (ms)."""
+
+    by_part_ms: dict[str, float]
+    """Mean per step: lane parts (PARTS), "communication" (transfers and stream order)."""
+    by_rank_ms: dict[int, float]
+    """Mean per step: critical-path time spent on each rank's lane (the ranks that set the pace)."""
+    steps: int
+
+
+def critical_path(g: StepGraph, rep: Replay) -> CriticalPath:
+    by_part = np.zeros(len(PARTS) + 1)
+    by_rank: dict[int, float] = {}
+    steps = sorted(set(g.step[g.kind == STEP_END].tolist()))
+    done = 0
+    for s in steps:
+        ends = np.flatnonzero((g.kind == STEP_END) & (g.step == s))
+        starts = np.flatnonzero((g.kind == STEP_START) & (g.step == s))
+        if not ends.size or not starts.size:
+            continue
+        floor = rep.time[starts].min()
+        v = int(ends[np.argmax(rep.time[ends])])
+        while v >= 0 and rep.time[v] > floor:
+            p, cat = int(rep.via[v]), rep.via_cat[v]
+            if p < 0:
+                break
+            dt = rep.time[v] - max(rep.time[p], floor)
+            if cat == LANE:
+                parts = g.lane_parts[v]
+                tot = parts.sum()
+                if tot > 0:
+                    by_part[:len(PARTS)] += parts / tot * dt
+                by_rank[int(g.rank[v])] = by_rank.get(int(g.rank[v]), 0.0) + dt
+            else:
+                by_part[len(PARTS)] += dt
+            v = p
+        done += 1
+    n = max(done, 1)
+    names = PARTS + ("communication",)
+    return CriticalPath(by_part_ms={k: round(float(x) / n / 1000, 3) for k, x in zip(names, by_part) if x > 0},
+                        by_rank_ms={r: round(x / n / 1000, 3) for r, x in sorted(by_rank.items())}, steps=done)

@@ -1,0 +1,140 @@
+"""The step graph (diagnose/step/graph.py): replay fidelity on every shared trace, what-ifs by
+replay on hand-built runs whose answer is known by construction, and on the shared traces."""
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from diagnose.analyzers import reduce_rank
+from diagnose.context import build_context
+from diagnose.ingest.assemble import load_run
+from diagnose.pipeline import diagnose_paths
+from diagnose.step import graph as sg
+from tests.conftest import SHARED, shared
+
+STEP_US, WORK_US, TRANSFER_US = 10_000.0, 3_000.0, 500.0
+DL_NAME = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+
+
+def _x(cat, name, ts, dur, tid):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def write_run(directory, steps=6, extra_us=None, dl_us=None):
+    """Two gloo ranks. Each step: an optional DataLoader wait, WORK_US of compute plus the rank's
+    extra, the all-reduce (everyone leaves TRANSFER_US after the last arrival), then the rank waits
+    for it and finishes the step with 1 ms of optimizer work. Steps follow each other."""
+    extra_us, dl_us = extra_us or {}, dl_us or {}
+    t0 = 1_000_000.0
+    evs = {0: [], 1: []}
+    for s in range(steps):
+        arrive = {r: t0 + dl_us.get(r, 0.0) + WORK_US + extra_us.get(r, 0.0) for r in (0, 1)}
+        leave = max(arrive.values()) + TRANSFER_US
+        end = leave + 1_000.0
+        for r in (0, 1):
+            e = evs[r]
+            e.append(_x("user_annotation", f"ProfilerStep#{s}", t0, end - t0, 1))
+            if dl_us.get(r):
+                e.append(_x("user_annotation", DL_NAME, t0, dl_us[r], 1))
+            e.append(_x("cpu_op", "aten::mm", t0 + dl_us.get(r, 0.0), arrive[r] - t0 - dl_us.get(r, 0.0), 1))
+            e.append(_x("cpu_op", "c10d::allreduce_", arrive[r], 5.0, 1))
+            e.append(_x("user_annotation", "gloo:all_reduce", arrive[r] + 2, leave - arrive[r] - 2, 3))
+            e.append(_x("cpu_op", "aten::add_", leave, 1_000.0, 1))
+        t0 = end
+    for r in (0, 1):
+        doc = {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": r, "world_size": 2},
+               "host_name": "node", "traceEvents": evs[r]}
+        (directory / f"rank{r}.pt.trace.json").write_bytes(orjson.dumps(doc))
+    return directory
+
+
+def graph_of(path):
+    return sg.build_graph(load_run([path], reduce=reduce_rank))
+
+
+def saved(g, w=None, tr=None):
+    return sg.replay(g).mean_step_ms - sg.replay(g, w, tr).mean_step_ms
+
+
+def test_unedited_replay_reproduces_a_hand_built_run_exactly(tmp_path):
+    g = graph_of(write_run(tmp_path, extra_us={1: 2_000.0}, dl_us={0: 500.0}))
+    assert sg.fidelity(g) < 1e-9
+    rep = sg.replay(g)
+    assert rep.mean_step_ms == pytest.approx((WORK_US + 2_000 + TRANSFER_US + 1_000) / 1000, abs=1e-6)
+
+
+def test_straggler_edit_gives_back_its_lateness(tmp_path):
+    g = graph_of(write_run(tmp_path, extra_us={1: 2_000.0}))
+    assert saved(g, sg.rank_at_median(g, {1})) == pytest.approx(2.0, abs=1e-3)
+    # the punctual rank brought to the median changes nothing
+    assert saved(g, sg.rank_at_median(g, {0})) == pytest.approx(0.0, abs=1e-3)
+
+
+def test_freed_wait_that_exposes_another_saves_nothing(tmp_path):
+    # rank 0 waits 1 ms in its DataLoader, but rank 1 is 3 ms late anyway: removing the DataLoader
+    # wait only lengthens rank 0's wait for rank 1
+    g = graph_of(write_run(tmp_path, extra_us={1: 3_000.0}, dl_us={0: 1_000.0}))
+    dl = sg.without_parts(g, {"dataloader": 1.0})
+    assert saved(g, dl) == pytest.approx(0.0, abs=1e-3)
+
+
+def test_two_causes_on_one_rank_combine_to_less_than_their_sum(tmp_path):
+    # rank 1 waits 2 ms in its DataLoader and computes 3 ms longer: each fix alone, then both
+    g = graph_of(write_run(tmp_path, extra_us={1: 3_000.0}, dl_us={1: 2_000.0}))
+    dl = sg.without_parts(g, {"dataloader": 1.0})
+    one = saved(g, dl)
+    two = saved(g, sg.rank_at_median(g, {1}))
+    both = saved(g, sg.rank_at_median(g, {1}, dl))
+    assert one == pytest.approx(2.0, abs=1e-3)
+    assert two == pytest.approx(5.0, abs=1e-3)  # its whole excess over rank 0, DataLoader included
+    assert both == pytest.approx(5.0, abs=1e-3) and both < one + two
+
+
+def test_best_transfer_edit(tmp_path):
+    g = graph_of(write_run(tmp_path))
+    assert saved(g, None, sg.best_transfers(g)) == pytest.approx(0.0, abs=1e-3)  # every step alike
+
+
+def test_critical_path_runs_through_the_late_rank(tmp_path):
+    g = graph_of(write_run(tmp_path, extra_us={1: 2_000.0}))
+    cp = sg.critical_path(g, sg.replay(g))
+    assert cp.steps == 6
+    # before the collective the path is on rank 1 (it arrived last), after it on the rank that ends last
+    assert cp.by_rank_ms.get(1, 0.0) >= (WORK_US + 2_000) / 1000 - 1e-3
+    assert cp.by_part_ms["communication"] == pytest.approx(TRANSFER_US / 1000, abs=1e-3)
+
+
+def _sets_with_steps():
+    return sorted(p.parent.relative_to(SHARED).as_posix() for p in SHARED.glob("**/*.json*")
+                  if "corpus" not in p.parts)
+
+
+@pytest.mark.parametrize("name", sorted(set(_sets_with_steps())) if SHARED.exists() else [])
+def test_unedited_replay_within_5_percent_on_every_shared_trace(name):
+    try:
+        run = load_run([shared(name)], reduce=reduce_rank)
+    except Exception as exc:  # sets without complete steps are not analysed at all
+        pytest.skip(f"{name}: {exc}")
+    g = sg.build_graph(run)
+    assert sg.fidelity(g) <= 0.05
+
+
+def test_resnet_dataloader_what_if_on_one_rank_is_its_whole_dataloader_wait():
+    """One rank: nothing else can be exposed, so the replay gives back the whole DataLoader wait
+    (31.4 ms/step). The measured fix nw0 -> nw4 gave back 26.5: the four workers cost the step
+    2.7 ms of compute and 2.2 ms of idle elsewhere, which no replay of nw0 can see (the issue's
+    15% target is not met by this figure: +18.6%)."""
+    run = load_run([shared("kineto_resnet50_dataloader_v100/nw0")], reduce=reduce_rank)
+    ctx = build_context(run)
+    g = sg.build_graph(run)
+    predicted = saved(g, sg.without_parts(g, {"dataloader": 1.0}))
+    assert predicted == pytest.approx(ctx.table["dataloader_ms"].mean(), abs=1e-3)
+    assert 30.0 < predicted < 33.0
+
+
+def test_dlrm_critical_path_runs_through_the_late_rank():
+    """param_dlrm_8rank_v100: rank 7 enters the first all_to_all last (its NCCL kernel lasts
+    10 us where rank 1's lasts 7.6 ms): the critical path spends most of its lane time there."""
+    g = sg.build_graph(load_run([shared("param_dlrm_8rank_v100")], reduce=reduce_rank))
+    cp = sg.critical_path(g, sg.replay(g))
+    assert max(cp.by_rank_ms, key=cp.by_rank_ms.get) == 7
