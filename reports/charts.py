@@ -251,6 +251,22 @@ def step_timeline(timeline: dict) -> go.Figure | None:
                    height=height, barmode="overlay")
 
 
+def critical_path_bar(by_part: dict, labels: dict) -> go.Figure | None:
+    """One horizontal bar: the mean step's critical path split by part (ms)."""
+    parts = [(k, num(v)) for k, v in (by_part or {}).items() if num(v) and num(v) > 0]
+    if not parts:
+        return None
+    colours = {"compute": COMPONENTS[0][2], "communication": COMPONENTS[1][2], "dataloader": COMPONENTS[3][2],
+               **{k: c for k, _, c, _ in IDLE_CAUSES}}
+    fig = go.Figure()
+    for k, v in parts:
+        label = plot_text(labels.get(k, k))
+        fig.add_bar(y=["critical path"], x=[v], name=label, orientation="h", width=0.5,
+                    marker={"color": colours.get(k, OTHER_COLOUR), "line": {"color": "#333", "width": 0.5}},
+                    hovertemplate=f"{label}: %{{x:.2f}} ms<extra></extra>")
+    return _layout(fig, "Critical path of the mean step, by part (ms)", height=200, barmode="stack")
+
+
 def per_rank_metric(metrics: dict) -> dict[str, dict[int, float]]:
     """Group metrics keys like rank7_mean_lateness_ms into {suffix: {rank: value}}."""
     out: dict[str, dict[int, float]] = defaultdict(dict)

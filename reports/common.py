@@ -144,7 +144,8 @@ tr.check-flagged td{font-weight:600}
 .chart{width:100%;min-height:220px;margin:8px 0;border:1px solid var(--soft)}
 .tables{display:grid;grid-template-columns:fit-content(440px) minmax(0,1fr);gap:16px;align-items:start}
 @media (max-width:900px){.tables{grid-template-columns:1fr}}
-.metrics th{font-weight:400;overflow-wrap:anywhere;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
+.metrics td.val{overflow-wrap:anywhere;font-size:12.5px}
+.metrics th{font-weight:400;overflow-wrap:anywhere;min-width:14ch;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
 ul.lines li{margin:2px 0;font-size:14px}footer{margin-top:40px;font-size:12px;color:var(--muted)}
 @media print{.chart{break-inside:avoid}}
 .hta{border-left:4px solid var(--line);padding:2px 12px;margin:8px 0}.hta-says{margin:4px 0}

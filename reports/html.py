@@ -127,10 +127,45 @@ def _timeline_section(extras: dict, cs: ChartSet) -> str:
             'data during one representative step. A rank whose rows start late is the one the others wait for.</p>')
 
 
+REPLAY_PARTS = {"dataloader": "DataLoader wait", "compute": "compute and host work", "communication": "communication",
+                **{k: label for k, label, _, _ in charts.IDLE_CAUSES}}
+
+
+def _replay_section(extras: dict, findings: list, cs: ChartSet) -> str:
+    rep = _dict(extras.get("replay"))
+    if not rep:
+        return ""
+    rows = []
+    for f in findings:
+        m = _dict(f.get("metrics"))
+        if "replay_recoverable_ms" not in m and "critical_path_ms" not in m:
+            continue
+        rows.append(f'<tr><td>{esc(f.get("title"))}</td><td class=num>{fmt_ms(f.get("recoverable_ms"))}</td>'
+                    f'<td class=num>{fmt_ms(m.get("replay_recoverable_ms"))}</td>'
+                    f'<td class=num>{fmt_ms(m.get("critical_path_ms"))}</td></tr>')
+    table = ('<table class="replay"><thead><tr><th>Cause</th><th class=num>Its own estimate</th>'
+             '<th class=num>Replayed without it</th><th class=num>On the critical path</th></tr></thead>'
+             f'<tbody>{"".join(rows)}</tbody></table>') if rows else ""
+    cp = _dict(rep.get("critical_path"))
+    fig = charts.critical_path_bar(_dict(cp.get("by_part_ms")), {k: REPLAY_PARTS.get(k, k) for k in
+                                                                  _dict(cp.get("by_part_ms"))})
+    chart = cs.add(fig, "Critical path of the mean step, by part") if fig is not None else ""
+    err = num(rep.get("fidelity_max_error"))
+    return ('<h3 id="replay">What each fix gives back: the step graph replayed</h3>'
+            '<p>Every rank\'s steps as one dependency graph (work in program order, collectives that end no earlier '
+            'than their last arrival), replayed with one cause removed: a freed wait that only exposes another '
+            f'saves nothing. All flagged causes removed together: {fmt_ms(rep.get("combined_what_if_ms"))} per step '
+            f'of {fmt_ms(rep.get("replayed_step_ms"))}. The unedited replay reproduces the measured steps within '
+            f'{fmt_share(err) if err is not None else "—"}.</p>{table}{chart}')
+
+
 def _metrics_table(metrics: dict) -> str:
     if not metrics:
         return '<p class="muted">No metrics recorded.</p>'
-    rows = "".join(f"<tr><th scope=row>{esc(k)}</th><td class=num>{fmt_value(v)}</td></tr>" for k, v in metrics.items())
+    # numbers stay on one line, right-aligned; text values (op lists, notes) wrap, so a long one
+    # cannot squeeze the names column to nothing
+    rows = "".join(f"<tr><th scope=row>{esc(k)}</th><td class={'num' if num(v) is not None else 'val'}>"
+                   f"{fmt_value(v)}</td></tr>" for k, v in metrics.items())
     return f'<table class="metrics evidence"><caption>Metrics</caption><tbody>{rows}</tbody></table>'
 
 
@@ -192,7 +227,8 @@ def render(diagnosis: dict) -> str:
     timeline = _dict(_dict(d.get("extras")).get("timeline"))
     # the real timeline, when the JSON has it, replaces the composition-only lanes
     breakdown_html = (_breakdown_section(_list(d.get("breakdown")), cs, composition=not timeline.get("ranks"))
-                      + _timeline_section(_dict(d.get("extras")), cs))
+                      + _timeline_section(_dict(d.get("extras")), cs)
+                      + _replay_section(_dict(d.get("extras")), findings, cs))
     evidence = "".join(_finding_section(i, f, d, cs) for i, f in enumerate(findings, 1)) or \
         '<p class="muted">Nothing flagged, so no evidence to show.</p>'
     body = f"""<main>

@@ -233,3 +233,21 @@ def test_cpu_run_keeps_other_as_one_component():
     names = [t.name for t in charts.breakdown_bars(d["breakdown"]).data]
     assert "other / idle" in names
     assert not any(n.startswith("idle:") for n in names)
+
+
+def test_replay_section_lists_each_cause_with_its_replayed_figure():
+    d = diagnosis_json("param_dlrm_8rank_v100")
+    page = render(d)
+    assert "What each fix gives back" in page and "Critical path of the mean step" in page
+    for f in d["findings"]:
+        if "replay_recoverable_ms" in f["metrics"]:
+            assert html.escape(f["title"], quote=True) in page
+    # a text metric wraps instead of squeezing the names column
+    assert '<td class=val>' in page
+
+
+def test_long_text_metric_values_do_not_use_the_nowrap_number_cell():
+    d = copy.deepcopy(diagnosis_json("param_dlrm_8rank_v100"))
+    d["findings"][0]["metrics"] = {"a_long_list": "x" * 500, "a_number": 1.5}
+    page = render(d)
+    assert '<td class=val>' + "x" * 500 in page and "<td class=num>1.5" in page

@@ -111,10 +111,12 @@ def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str
         facts = ctx.facts(ID)
     except RuntimeError:
         facts = {}
-    if rank in facts and len(facts) >= 2:
+    if rank in facts and len(facts) >= 2 and any(f.ops for f in facts.values()):
         frame = pd.DataFrame([(r, n, ms, c) for r, f in facts.items() for n, ms, c in f.ops],
                              columns=["rank", "name", "ms", "calls"])
+        # every rank a column (one without ops reads as zeros), so the late rank always has one
         table = frame.pivot_table(index="name", columns="rank", values=["ms", "calls"], fill_value=0.0)
+        table = table.reindex(columns=pd.MultiIndex.from_product([["ms", "calls"], sorted(facts)]), fill_value=0.0)
         others = [r for r in facts if r != rank]
         d_ms = table["ms"][rank] - table["ms"][others].median(axis=1)
         d_calls = table["calls"][rank] - table["calls"][others].median(axis=1)
