@@ -1,12 +1,14 @@
-"""What every analyzer reads: the run, matched collectives and the step breakdown."""
+"""What every analyzer reads: the run, matched collectives, the step breakdown and the step graph."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 import pandas as pd
 
+from diagnose.errors import one_line
 from diagnose.step.breakdown import compute_breakdown
 from diagnose.step.collectives import Matched, match_collectives
+from diagnose.step.graph import StepGraph, build_graph
 from diagnose.model import EventRef, StepBreakdown
 from diagnose.probedata import ProbeData
 from diagnose.ingest.assemble import ReduceFailed, Run
@@ -21,6 +23,10 @@ class Context:
     """The breakdown as a frame, one row per (rank, step)."""
     probes: dict[int, ProbeData]
     """Every-step timings and metadata from the probes' sidecars, when the run had them."""
+    graph: StepGraph | None = None
+    """The dependency graph of every rank's steps (diagnose/step/graph.py); None when it could not
+    be built (graph_error says why)."""
+    graph_error: str | None = None
 
     def facts(self, name: str) -> dict:
         """Each rank's per-rank summary from check `name`'s reduce phase, by rank.
@@ -70,4 +76,10 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None) -> Conte
     matched = match_collectives(run)
     steps = tuple(compute_breakdown(run, matched))
     table = pd.DataFrame([asdict(s) for s in steps])
-    return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {})
+    graph, error = None, None
+    try:
+        graph = build_graph(run)
+    except Exception as exc:  # noqa: BLE001 - the graph adds evidence; the checks stand without it
+        error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]
+    return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {}, graph=graph,
+                   graph_error=error)

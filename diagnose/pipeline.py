@@ -12,7 +12,6 @@ from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
 from diagnose.errors import one_line
-from diagnose.step.graph import build_graph
 from diagnose.step.idle import CLASSES, LATENCY
 from diagnose.whatif import annotate
 from diagnose.step.intervals import clip
@@ -87,14 +86,18 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
     extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx)}
-    try:  # the step graph's replay: what each cause costs once the others stay in place
-        wi = annotate(tuple(findings), build_graph(run))
-        findings, extras["replay"] = list(wi.findings), wi.summary
-        by_id = {f.id: f for f in findings}
-        checks = [replace(c, finding=by_id[c.id]) if c.finding is not None and c.id in by_id else c for c in checks]
-    except Exception as exc:  # noqa: BLE001 - the replay is extra evidence; the verdict stands without it
-        warnings.append(one_line(f"replay of the step graph failed ({type(exc).__name__}: {exc}); findings keep "
-                                 "their own estimates")[:300])
+    if ctx.graph is not None:
+        try:  # the step graph's replay: what each cause costs once the others stay in place
+            wi = annotate(tuple(findings), ctx.graph)
+            findings, extras["replay"] = list(wi.findings), wi.summary
+            by_id = {f.id: f for f in findings}
+            checks = [replace(c, finding=by_id[c.id]) if c.finding is not None and c.id in by_id else c
+                      for c in checks]
+        except Exception as exc:  # noqa: BLE001 - the replay is extra evidence; the verdict stands without it
+            warnings.append(one_line(f"replay of the step graph failed ({type(exc).__name__}: {exc}); findings "
+                                     "keep their own estimates")[:300])
+    elif ctx.graph_error:
+        warnings.append(ctx.graph_error + "; findings keep their own estimates")
     return Diagnosis(run=run_facts(run, ctx), checks=tuple(checks), findings=tuple(findings),
                      breakdown=ctx.steps, warnings=tuple(run.warnings + warnings),
                      skipped=tuple(run.skipped), extras=extras)

@@ -38,6 +38,8 @@ def test_injected_cause_ranks_first(tmp_path, pathology, top, ranks):
     assert res.returncode == 0, res.stderr[-3000:]
     d = verdict(tmp_path)
     assert d["findings"][0]["id"] == top, res.stdout
+    # the step graph replays this real job's steps within 5% (#15 fidelity)
+    assert d["extras"]["replay"]["fidelity_max_error"] <= 0.05
     if ranks:
         assert d["findings"][0]["ranks"] == ranks
     assert (run_dir(tmp_path) / "report.html").exists()

@@ -8,7 +8,6 @@ import pytest
 from diagnose.analyzers import reduce_rank
 from diagnose.context import build_context
 from diagnose.ingest.assemble import load_run
-from diagnose.pipeline import diagnose_paths
 from diagnose.step import graph as sg
 from tests.conftest import SHARED, shared
 
@@ -138,3 +137,17 @@ def test_dlrm_critical_path_runs_through_the_late_rank():
     g = sg.build_graph(load_run([shared("param_dlrm_8rank_v100")], reduce=reduce_rank))
     cp = sg.critical_path(g, sg.replay(g))
     assert max(cp.by_rank_ms, key=cp.by_rank_ms.get) == 7
+
+
+def test_a_graph_that_cannot_be_built_costs_only_the_replay(tmp_path, monkeypatch):
+    import diagnose.context as context
+    from diagnose.pipeline import diagnose_paths
+
+    def broken(run):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(context, "build_graph", broken)
+    d = diagnose_paths([write_run(tmp_path, extra_us={1: 2_000.0})])
+    assert "straggler" in [f.id for f in d.findings]
+    assert "replay" not in d.extras
+    assert any("step graph could not be built (ValueError: boom)" in w for w in d.warnings)
