@@ -133,12 +133,17 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     c_seq = allc["seq"].to_numpy().astype(np.int64)
     c_group = allc["group"].to_numpy().astype(np.int64)
 
-    rank_l, kind_l, time_l, step_l, seg_l, group_l, transfer_l, ref_l = [], [], [], [], [], [], [], []
+    # node columns, filled per rank, sorted once at the end
+    cols: dict[str, list] = {k: [] for k in ("rank", "kind", "time", "step", "seg", "group", "transfer", "ref")}
     # segment ids: a stable code per (kind, step, pg, seq) so ranks' segments line up
     seg_codes: dict[tuple, int] = {}
 
-    def seg_id(key: tuple) -> int:
-        return seg_codes.setdefault(key, len(seg_codes))
+    def add(r: int, kind: int, t: float, step: int, seg: tuple | None, group: int = -1, transfer: float = 0.0,
+            ref: int = -1) -> None:
+        for k, v in (("rank", r), ("kind", kind), ("time", t), ("step", step), ("group", group),
+                     ("transfer", transfer), ("ref", ref)):
+            cols[k].append(v)
+        cols["seg"].append(-1 if seg is None else seg_codes.setdefault(seg, len(seg_codes)))
 
     blocked_by_rank: dict[int, Intervals] = {}
     parts_sets: dict[int, list[Intervals]] = {}
@@ -161,16 +166,13 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         idle_sets = [subtract(s, dl) for s in gaps]
         parts_sets[r] = [dl, *idle_sets]
         for s, a, b in zip(steps, lo, hi):
-            rank_l += [r, r]; kind_l += [STEP_START, STEP_END]; time_l += [a, b]; step_l += [int(s), int(s)]
-            seg_l += [seg_id(("start", int(s))), seg_id(("end", int(s)))]
-            group_l += [-1, -1]; transfer_l += [0.0, 0.0]; ref_l += [-1, -1]
+            add(r, STEP_START, float(a), int(s), ("start", int(s)))
+            add(r, STEP_END, float(b), int(s), ("end", int(s)))
         mine = np.flatnonzero(c_rank == r)
         for i in mine:
-            st = int(c_step[i])
-            rank_l += [r, r]; kind_l += [ARRIVAL, COLL_END]
-            time_l += [float(c_arr[i]), float(c_end[i])]
-            step_l += [st, st]; seg_l += [seg_id(("arr", st, c_pg[i], int(c_seq[i]))), -1]
-            group_l += [int(c_group[i])] * 2; transfer_l += [0.0, float(c_end[i] - latest[i])]; ref_l += [-1, -1]
+            st, gi = int(c_step[i]), int(c_group[i])
+            add(r, ARRIVAL, float(c_arr[i]), st, ("arr", st, c_pg[i], int(c_seq[i])), gi)
+            add(r, COLL_END, float(c_end[i]), st, None, gi, transfer=float(c_end[i] - latest[i]))
         # resume points: the end of each blocked stretch inside the steps
         win = union(lo, hi)
         bl = Intervals(np.maximum(blocked.starts, win.starts.min()), np.minimum(blocked.ends, win.ends.max()))
@@ -188,32 +190,25 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             i = mine[order[j]]
             k = int(np.searchsorted(lo, b1, side="right") - 1)
             st = int(steps[max(k, 0)])
-            rank_l.append(r); kind_l.append(RESUME); time_l.append(max(float(b1), float(c_end[i])))
-            step_l.append(st); seg_l.append(seg_id(("resume", int(c_step[i]), c_pg[i], int(c_seq[i]))))
-            group_l.append(int(c_group[i]))
-            transfer_l.append(0.0); ref_l.append(int(i))
+            add(r, RESUME, max(float(b1), float(c_end[i])), st, ("resume", int(c_step[i]), c_pg[i], int(c_seq[i])),
+                int(c_group[i]), ref=int(i))
         blocked_by_rank[r] = Intervals(bl.starts[explained], bl.ends[explained])
 
-    rank = np.asarray(rank_l, dtype=np.int64)
-    kind = np.asarray(kind_l, dtype=np.int8)
-    time = np.asarray(time_l, dtype=float)
+    kind = np.asarray(cols["kind"], dtype=np.int8)
+    time = np.asarray(cols["time"], dtype=float)
     order = np.lexsort((kind, time))
-    rank, kind, time = rank[order], kind[order], time[order]
-    step = np.asarray(step_l, dtype=np.int64)[order]
-    seg = np.asarray(seg_l, dtype=np.int64)[order]
-    group = np.asarray(group_l, dtype=np.int64)[order]
-    transfer = np.asarray(transfer_l, dtype=float)[order]
-    ref = np.asarray(ref_l, dtype=np.int64)[order]
+    kind, time = kind[order], time[order]
+    rank, step, seg, group, ref = (np.asarray(cols[k], dtype=np.int64)[order]
+                                   for k in ("rank", "step", "seg", "group", "ref"))
+    transfer = np.asarray(cols["transfer"], dtype=float)[order]
     n = time.size
 
     # COLL_END node of each (collective row): to link resumes and stream order
     end_node_of_row = {}
-    row_of_node = np.full(n, -1, dtype=np.int64)
     coll_rows = {(int(r), int(gi)): i for i, (r, gi) in enumerate(zip(c_rank, c_group))}
     for v in np.flatnonzero(kind == COLL_END):
         i = coll_rows[(int(rank[v]), int(group[v]))]
         end_node_of_row[i] = v
-        row_of_node[v] = i
     resume_of = np.full(n, -1, dtype=np.int64)
     lag = np.zeros(n)
     res = np.flatnonzero(kind == RESUME)
