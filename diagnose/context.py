@@ -6,12 +6,12 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 
 from diagnose.errors import one_line
+from diagnose.ingest.assemble import ReduceFailed, Run
+from diagnose.model import EventRef, StepBreakdown
+from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import compute_breakdown
 from diagnose.step.collectives import Matched, match_collectives
 from diagnose.step.graph import StepGraph, build_graph
-from diagnose.model import EventRef, StepBreakdown
-from diagnose.probedata import ProbeData
-from diagnose.ingest.assemble import ReduceFailed, Run
 
 
 @dataclass(frozen=True, slots=True)

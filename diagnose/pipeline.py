@@ -8,15 +8,15 @@ import numpy as np
 
 from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.context import Context, build_context
+from diagnose.errors import one_line
+from diagnose.ingest.assemble import Progress, ReduceFailed, Run, load_run
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
-from diagnose.errors import one_line
 from diagnose.step.idle import CLASSES, LATENCY
-from diagnose.whatif import annotate
 from diagnose.step.intervals import clip
-from diagnose.ingest.assemble import Progress, ReduceFailed, Run, load_run
 from diagnose.thresholds import DEFAULT, Thresholds
+from diagnose.whatif import annotate
 
 
 def _device(run: Run) -> tuple[str, str | None]:

@@ -15,12 +15,12 @@ from diagnose.analyzers import (checkpoint, communication, dataloader, device_wa
                                 pipeline_bubbles, straggler)
 from diagnose.context import Context
 from diagnose.errors import one_line
+from diagnose.ingest.assemble import ReduceFailed
 from diagnose.ingest.load import RankTrace
 from diagnose.model import Check
-from diagnose.ingest.assemble import ReduceFailed
-from diagnose.thresholds import Thresholds
 from diagnose.step.idle import IdleModel
 from diagnose.step.timeline import RankTimeline
+from diagnose.thresholds import Thresholds
 
 Analyzer = Callable[[Context, Thresholds], list[Check]]
 Reducer = Callable[..., object]

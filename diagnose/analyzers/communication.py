@@ -15,8 +15,8 @@ import numpy as np
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
 from diagnose.context import Context
-from diagnose.step.intervals import covered
 from diagnose.model import Check, Finding
+from diagnose.step.intervals import covered
 from diagnose.thresholds import Thresholds
 
 ID = "exposed_communication"

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diagnose.step import idle
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
-from diagnose.step.intervals import covered, subtract, union
 from diagnose.ingest.load import KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
-from diagnose.thresholds import Thresholds
+from diagnose.step import idle
+from diagnose.step.intervals import covered, subtract, union
 from diagnose.step.timeline import DATALOADER, RankTimeline, _names_matching
+from diagnose.thresholds import Thresholds
 
 TITLE = "Dataloader starvation"
 TITLE_STALL = "Input stall outside the DataLoader (blocking host-to-device copies)"

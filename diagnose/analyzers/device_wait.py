@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diagnose.step import idle
 from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable
 from diagnose.context import Context
 from diagnose.ingest.load import RankTrace
 from diagnose.model import Check, Finding
-from diagnose.thresholds import Thresholds
+from diagnose.step import idle
 from diagnose.step.timeline import RankTimeline
+from diagnose.thresholds import Thresholds
 
 ID = "device_wait"
 TITLE = "Device idles with work already queued (waiting on another stream, a collective or a graph)"

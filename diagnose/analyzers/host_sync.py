@@ -27,13 +27,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from diagnose.step import idle
 from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable, passed
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_CPU_OP, KIND_RUNTIME, RankTrace
 from diagnose.model import Check, Finding
-from diagnose.thresholds import Thresholds
+from diagnose.step import idle
 from diagnose.step.timeline import RankTimeline, _names_matching
+from diagnose.thresholds import Thresholds
 
 ID = "host_sync"
 TITLE = "Host-device synchronisation stalls the device (.item(), .cpu(), synchronize())"

@@ -20,15 +20,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from diagnose.step import idle
 from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable, self_times
 from diagnose.context import Context
-from diagnose.step.intervals import covered
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
-from diagnose.thresholds import Thresholds
+from diagnose.step import idle
+from diagnose.step.intervals import covered
 from diagnose.step.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
                                _names_matching)
+from diagnose.thresholds import Thresholds
 
 ID = "launch_overhead"
 TITLE = "Micro-batch too small / launch overhead (device waits for the host)"

@@ -39,9 +39,9 @@ from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurab
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
+from diagnose.probedata import every_step_lateness
 from diagnose.step.timeline import CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline, \
     _names_matching
-from diagnose.probedata import every_step_lateness
 from diagnose.thresholds import Thresholds
 
 ID = "straggler"

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from diagnose.step.collectives import Matched
-from diagnose.step.intervals import Intervals, covered, intersect, merge, subtract, union
 from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.model import StepBreakdown
+from diagnose.step.collectives import Matched
 from diagnose.step.idle import CLASSES
+from diagnose.step.intervals import Intervals, covered, intersect, merge, subtract, union
 
 
 def _wait_intervals(matched: Matched, rank: int, offset: float) -> Intervals:
