@@ -128,7 +128,6 @@ def test_resnet_dataloader_what_if_on_one_rank_is_its_whole_dataloader_wait():
     g = sg.build_graph(run)
     predicted = saved(g, sg.without_parts(g, {"dataloader": 1.0}))
     assert predicted == pytest.approx(ctx.table["dataloader_ms"].mean(), abs=1e-3)
-    assert 30.0 < predicted < 33.0
 
 
 def test_dlrm_critical_path_runs_through_the_late_rank():

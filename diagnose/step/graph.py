@@ -61,7 +61,8 @@ class StepGraph:
     step: np.ndarray
     """The rank's step the node belongs to (step bounds and collectives; lane points between)."""
     seg: np.ndarray
-    """Segment id of the lane edge ending at the node (same id on every rank: for the median)."""
+    """Anchor id of a step bound or collective arrival, the same on every rank (lines ranks' work up
+    for the median); -1 for other nodes."""
     lane_prev: np.ndarray
     """Previous node on the rank's lane (-1: the rank's first point, anchored at its time)."""
     lane_parts: np.ndarray
@@ -190,8 +191,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             i = mine[order[j]]
             k = int(np.searchsorted(lo, b1, side="right") - 1)
             st = int(steps[max(k, 0)])
-            add(r, RESUME, max(float(b1), float(c_end[i])), st, ("resume", int(c_step[i]), c_pg[i], int(c_seq[i])),
-                int(c_group[i]), ref=int(i))
+            add(r, RESUME, max(float(b1), float(c_end[i])), st, None, int(c_group[i]), ref=int(i))
         blocked_by_rank[r] = Intervals(bl.starts[explained], bl.ends[explained])
 
     kind = np.asarray(cols["kind"], dtype=np.int8)
