@@ -1,8 +1,9 @@
 """Validate the what-if estimates: predict the step time after a fix, then measure it.
 
 For each injected cause, a 2-rank gloo job runs with the cause (under the probes);
-the prediction is its step time minus the cause's recoverable ms per step. The same
-job then runs with the cause removed; its measured step time is the truth.
+the prediction is its step time without the cause, as `diagnose scale` gives it (the step
+graph replayed with the cause removed: diagnose.scaling.what_if_step). The same job then
+runs with the cause removed; its measured step time is the truth.
 
     python benchmarks/bench_whatif.py [--repeats 2]
 """
@@ -25,7 +26,8 @@ CASES = [
 ]
 
 
-def run(out: Path, args: list[str]) -> tuple[float, dict]:
+def run(out: Path, args: list[str]):
+    """The job's measured point (diagnose.scaling.ScalePoint)."""
     from diagnose.cli import _free_port
     from diagnose.launch import run_with_probes
     from diagnose.scaling import measure_point
@@ -36,13 +38,17 @@ def run(out: Path, args: list[str]) -> tuple[float, dict]:
     if outcome.code or outcome.run_dir is None:
         raise SystemExit(f"job failed: {' '.join(args)}")
     point, _ = measure_point(2, outcome.run_dir)
-    return point.step_ms, point.causes_ms
+    return point
 
 
 def predict_and_measure(tmp: Path, cause: str, bad: list[str], good: list[str], i: int) -> tuple[float, float]:
-    step, causes = run(tmp / f"{cause}-bad-{i}", bad)
-    predicted = step - causes.get(cause, 0.0)
-    measured, _ = run(tmp / f"{cause}-good-{i}", good)
+    from diagnose.scaling import what_if_step
+
+    p = run(tmp / f"{cause}-bad-{i}", bad)
+    predicted = what_if_step(p, cause) or p.step_ms
+    measured = run(tmp / f"{cause}-good-{i}", good).step_ms
+    print(f"  {cause} #{i}: step {p.step_ms:.1f} ms, causes from {p.causes_from}, predicted {predicted:.1f}, "
+          f"measured {measured:.1f}", flush=True)
     return predicted, measured
 
 

@@ -1,4 +1,5 @@
-"""What every analyzer reads: the run, matched collectives, the step breakdown and the step graph."""
+"""What every analyzer reads: the run, matched collectives, the step breakdown and the step model
+(the dependency graph of the steps with its replay: what removing a cause gives back)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -11,7 +12,8 @@ from diagnose.model import EventRef, StepBreakdown
 from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import compute_breakdown
 from diagnose.step.collectives import Matched, match_collectives
-from diagnose.step.graph import StepGraph, build_graph
+from diagnose.step.graph import build_graph
+from diagnose.whatif import StepModel, step_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,10 +25,11 @@ class Context:
     """The breakdown as a frame, one row per (rank, step)."""
     probes: dict[int, ProbeData]
     """Every-step timings and metadata from the probes' sidecars, when the run had them."""
-    graph: StepGraph | None = None
-    """The dependency graph of every rank's steps (diagnose/step/graph.py); None when it could not
-    be built (graph_error says why)."""
-    graph_error: str | None = None
+    model: StepModel | None = None
+    """The dependency graph of every rank's steps (diagnose/step/graph.py) and its unedited replay
+    (diagnose/whatif.py): each finding's recoverable ms comes from editing it. None when it could
+    not be built (model_error says why)."""
+    model_error: str | None = None
 
     def facts(self, name: str) -> dict:
         """Each rank's per-rank summary from check `name`'s reduce phase, by rank.
@@ -76,10 +79,10 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None) -> Conte
     matched = match_collectives(run)
     steps = tuple(compute_breakdown(run, matched))
     table = pd.DataFrame([asdict(s) for s in steps])
-    graph, error = None, None
+    model, error = None, None
     try:
-        graph = build_graph(run)
-    except Exception as exc:  # noqa: BLE001 - the graph adds evidence; the checks stand without it
+        model = step_model(build_graph(run))
+    except Exception as exc:  # noqa: BLE001 - the checks' own estimates stand without the replay
         error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]
-    return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {}, graph=graph,
-                   graph_error=error)
+    return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {}, model=model,
+                   model_error=error)

@@ -86,18 +86,25 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
     extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx)}
-    if ctx.graph is not None:
-        try:  # the step graph's replay: what each cause costs once the others stay in place
-            wi = annotate(tuple(findings), ctx.graph)
-            findings, extras["replay"] = list(wi.findings), wi.summary
+    if ctx.model is not None:
+        try:  # each cause's ms from the one model of the step: the replay with it removed
+            named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
+            wi = annotate(tuple(findings), ctx.model, th, tuple(named))
+            extras["replay"] = wi.summary
+            findings = sorted(wi.findings, key=lambda f: (f.kind == "capacity", -f.recoverable_ms,
+                                                          order.get(f.id, 99)))
             by_id = {f.id: f for f in findings}
             checks = [replace(c, finding=by_id[c.id]) if c.finding is not None and c.id in by_id else c
                       for c in checks]
+            if not ctx.model.trusted:
+                warnings.append(f"the step graph's replay reproduces the measured steps only within "
+                                f"{ctx.model.fidelity:.0%} (missing or sampled events): findings keep their own "
+                                "estimates, the replayed figures are metrics beside them")
         except Exception as exc:  # noqa: BLE001 - the replay is extra evidence; the verdict stands without it
             warnings.append(one_line(f"replay of the step graph failed ({type(exc).__name__}: {exc}); findings "
                                      "keep their own estimates")[:300])
-    elif ctx.graph_error:
-        warnings.append(ctx.graph_error + "; findings keep their own estimates")
+    elif ctx.model_error:
+        warnings.append(ctx.model_error + "; findings keep their own estimates")
     return Diagnosis(run=run_facts(run, ctx), checks=tuple(checks), findings=tuple(findings),
                      breakdown=ctx.steps, warnings=tuple(run.warnings + warnings),
                      skipped=tuple(run.skipped), extras=extras)

@@ -9,13 +9,18 @@ Method. Per-rank work per step is w times the baseline's (weak scaling: w = 1, t
 DDP default; strong scaling: w = N0/N). With T the step time, observed speedup is
 S = (N/N0) * w * T0 / T. The lost speedup (N/N0) - S = (N/N0) * (T - w T0) / T
 splits over per-step time increases: each cause c contributes
-(N/N0) * (c_N - w c_0) / T, where c is the same estimate `diagnose analyze` reports
-for that check (its measured ms per step), plus compute inflation (the same work
-got slower per rank) and an explicit unexplained remainder, never hidden.
+(N/N0) * (c_N - w c_0) / T, where c is what the step graph's replay gives back with
+the cause removed at that N (diagnose/whatif.py; every cause, flagged or not; a
+straggler with no rank named is every rank brought to the median: the cost of waiting for
+whichever rank is slowest). Compute inflation is the growth of the replayed step with every
+cause removed (the work itself got slower per rank). Replayed costs do not add up (removing
+two causes is not the sum of removing each), so the remainder, with profiler overhead and
+noise, is an explicit unexplained bar, never hidden. Where a run's replay does not reproduce
+its steps, or cannot express a cause (CPU per-op overhead), the check's own measured estimate
+stands in, and `causes_from` says so.
 
-What-if per cause: step time without the cause = T - c_N (its recoverable time on
-the critical path of each step), speedup scaled accordingly. Assumes the cause's
-time is not hidden by something else that would then be exposed.
+What-if per cause: the step scaled by the replayed step without the cause over the replayed
+step with it (never zero or negative), and every cause removed together.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from diagnose.probedata import load_probe_data
 from diagnose.rundir import resolve_run
 
 CAUSES = ("dataloader_starvation", "input_stall", "exposed_communication", "straggler", "launch_overhead")
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,12 @@ class ScalePoint:
     """Mean traced step time: the basis of the per-cause breakdown."""
     causes_ms: dict[str, float]
     compute_ms: float
+    """The rest of the step: replayed with every cause removed (or, without a replay, the
+    breakdown's compute)."""
+    replayed_step_ms: float | None = None
+    """The unedited replay's mean step: the basis of the what-ifs (None: no trusted replay)."""
+    causes_from: str = "checks"
+    """"replay" (the step graph) or "checks" (each check's own estimate)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +88,8 @@ class Scaling:
     what_if: tuple[WhatIf, ...]
     assumptions: tuple[str, ...]
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    verdict: str = ""
+    """One sentence: the largest loss, the rank(s) it is on, and the step without it."""
     schema_version: str = SCHEMA_VERSION
 
 
@@ -112,13 +125,20 @@ def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None) -> t
     # not-measurable checks (None) stay out: absent from a run is not the same as zero
     causes = {c.id: float(c.measured_ms) for c in d.checks if c.id in CAUSES and c.measured_ms is not None}
     compute = statistics.fmean(s.compute_ms for s in d.breakdown)
+    rep = d.extras.get("replay") or {}
+    replayed, source = None, "checks"
+    if rep.get("replaces_estimates") and rep.get("replayed_step_ms"):
+        replayed, source = float(rep["replayed_step_ms"]), "replay"
+        causes.update({c: float(v) for c, v in rep["by_cause_ms"].items() if c in CAUSES})
+        compute = float(rep["clean_step_ms"])
     if not d.run.device.startswith(("cuda", "rocm")):
-        # on CPU the per-op overhead is inside the compute lane: count it once
+        # on CPU the per-op overhead is inside the compute lane (and the replay cannot remove it):
+        # count it once
         compute -= causes.get("launch_overhead", 0.0)
     point = ScalePoint(nproc=nproc, step_ms=step_ms, step_source=source, per_rank_batch=batch,
                        throughput=(nproc * batch / step_ms * 1000) if batch else None, speedup=1.0,
                        efficiency=1.0, run_dir=str(run_dir), trace_step_ms=trace_ms, causes_ms=causes,
-                       compute_ms=compute)
+                       compute_ms=compute, replayed_step_ms=replayed, causes_from=source)
     return point, d
 
 
@@ -129,12 +149,30 @@ def analyze_scaling(runs: dict[int, Path], mode: str = "weak",
         raise DiagnoseError("scaling needs runs at two or more world sizes")
     measured = {n: measure_point(n, Path(p), batch_size) for n, p in sorted(runs.items())}
     baseline = measured[min(measured)][1].findings
-    return account({n: pt for n, (pt, _) in measured.items()}, mode, baseline), \
+    top = measured[max(measured)][1]
+    ranks = {f.id: tuple(f.ranks) for f in top.findings}
+    return account({n: pt for n, (pt, _) in measured.items()}, mode, baseline, ranks), \
         {n: d for n, (_, d) in measured.items()}
 
 
-def account(measured: dict[int, ScalePoint], mode: str = "weak", baseline_findings=()) -> Scaling:
-    """Speedup per N, the lost-speedup waterfall, what-ifs. Pure arithmetic on measured points."""
+def what_if_step(p: ScalePoint, cause: str) -> float | None:
+    """The point's step (ms) without the cause ("every_cause": all of them, replay only): scaled by
+    the replayed step without it over the replayed step with it. None when nothing would be given
+    back, or the estimate is as long as the step (a check's own figure, not a what-if)."""
+    basis = p.replayed_step_ms or p.trace_step_ms
+    if cause == "every_cause":
+        left = p.compute_ms if p.causes_from == "replay" else 0.0
+    else:
+        left = basis - p.causes_ms.get(cause, 0.0)
+    if not 0 < left < basis:
+        return None
+    return p.step_ms * left / basis
+
+
+def account(measured: dict[int, ScalePoint], mode: str = "weak", baseline_findings=(),
+            ranks_by_cause: dict[str, tuple[int, ...]] | None = None) -> Scaling:
+    """Speedup per N, the lost-speedup waterfall, what-ifs, the verdict. Pure arithmetic on
+    measured points. ranks_by_cause: the ranks each flagged cause is on at the largest N."""
     if mode not in ("weak", "strong"):
         raise DiagnoseError(f"unknown scaling mode {mode!r} (weak or strong)")
     n0 = min(measured)
@@ -167,31 +205,58 @@ def account(measured: dict[int, ScalePoint], mode: str = "weak", baseline_findin
                     round(T - w * base.trace_step_ms - sum(b.delta_ms for b in bars), 3)))
     bars.sort(key=lambda b: -b.lost_speedup)
     what_if = []
-    for cid in CAUSES:
-        rec = top.causes_ms.get(cid, 0.0)
-        if rec <= 0:
-            continue
-        step = max(top.step_ms - rec, 1e-6)
-        what_if.append(WhatIf(cid, round(step, 3), round(observed * top.step_ms / step, 4)))
+    for cid in CAUSES + ("every_cause",):
+        step = what_if_step(top, cid)
+        if step is not None:
+            what_if.append(WhatIf(cid, round(step, 3), round(observed * top.step_ms / step, 4)))
     what_if.sort(key=lambda x: x.step_ms)
     baseline = tuple({"id": f.id, "recoverable_ms": f.recoverable_ms, "share_of_step": f.share_of_step,
                       "ranks": list(f.ranks)} for f in baseline_findings)
+    sources = {p.causes_from for p in measured.values()}
     assumptions = (
         f"{mode} scaling: per-rank work at N is {'the same as' if mode == 'weak' else 'N0/N times'} at N0={n0}",
-        "causes are the same per-step estimates `diagnose analyze` reports for each run (measured even "
-        "when below the flag threshold)",
-        "lost speedup per cause = (N/N0) x (increase in its ms per step) / traced step time; the remainder, "
-        "including profiler overhead and noise, is shown as unexplained",
-        "what-if: the cause's time leaves the critical path of each step and nothing else becomes exposed",
+        "causes: what the replay of each run's step graph gives back with the cause removed, measured "
+        "whether or not it was flagged" if sources == {"replay"} else
+        "causes: " + ("the replay's figures where a run's replay reproduces its steps, elsewhere " if "replay" in
+                      sources else "") + "the same per-step estimates `diagnose analyze` reports for each run",
+        "lost speedup per cause = (N/N0) x (increase in its ms per step) / traced step time; compute inflation "
+        "= the growth of the step with every cause removed; replayed causes do not add up, so the remainder, "
+        "with profiler overhead and noise, is shown as unexplained",
+        "what-if: the step scaled by the replayed step without the cause over the replayed step with it; every "
+        "other wait stays in place",
     )
+    verdict = _verdict(points[-1], bars, what_if, ideal, observed, ranks_by_cause or {})
     return Scaling(mode=mode, points=tuple(points), waterfall=tuple(bars), ideal_speedup=ideal,
                    observed_speedup=observed, baseline=baseline, what_if=tuple(what_if),
-                   assumptions=assumptions, warnings=tuple(warnings))
+                   assumptions=assumptions, warnings=tuple(warnings), verdict=verdict)
+
+
+LABELS = {"dataloader_starvation": "DataLoader starvation", "input_stall": "blocking input copies",
+          "exposed_communication": "exposed communication", "straggler": "waiting for a straggler",
+          "launch_overhead": "launch / per-op overhead", "compute_inflation": "compute inflation",
+          "unexplained": "unexplained", "every_cause": "every cause together"}
+
+
+def _verdict(top: ScalePoint, bars: list[Bar], what_if: list[WhatIf], ideal: float, observed: float,
+             ranks: dict[str, tuple[int, ...]]) -> str:
+    """The page's first sentence: the largest loss, on which ranks, and the step without it."""
+    head = f"{observed:.2f}x of an ideal {ideal:.2f}x at N={top.nproc}"
+    lost = [b for b in bars if b.lost_speedup > 0]
+    if not lost:
+        return head + ": nothing lost to any cause."
+    b = lost[0]
+    on = ranks.get(b.id, ())
+    where = f" on rank {', '.join(map(str, on))}" if on and len(on) < top.nproc else ""
+    out = f"{head}: the largest loss is {LABELS.get(b.id, b.id)}{where} ({b.lost_speedup:.2f}x, " \
+          f"{b.delta_ms:+.1f} ms per step)"
+    w = next((x for x in what_if if x.id == b.id), None)
+    if w is not None:
+        out += f"; without it a step would take {w.step_ms:.1f} ms ({w.speedup:.2f}x)"
+    return out + "."
 
 
 def terminal_summary(s: Scaling) -> str:
-    lines = [f"SCALING ({s.mode}): {s.observed_speedup:.2f}x at N={s.points[-1].nproc} of an ideal "
-             f"{s.ideal_speedup:.2f}x"]
+    lines = [f"SCALING ({s.mode}): {s.verdict or f'{s.observed_speedup:.2f}x at N={s.points[-1].nproc}'}"]
     lines.append(f"{'N':>4} {'step ms':>9} {'samples/s':>10} {'speedup':>8} {'efficiency':>10}")
     for p in s.points:
         tput = f"{p.throughput:10.1f}" if p.throughput else f"{'?':>10}"

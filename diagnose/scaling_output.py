@@ -15,6 +15,7 @@ def scaling_dict(s: Scaling) -> dict:
     body = asdict(s)
     return _clean({
         "schema_version": s.schema_version,
+        "verdict": s.verdict,
         "mode": s.mode,
         "ideal_speedup": s.ideal_speedup,
         "observed_speedup": s.observed_speedup,

@@ -128,6 +128,7 @@ def _timeline_section(extras: dict, cs: ChartSet) -> str:
 
 
 REPLAY_PARTS = {"dataloader": "DataLoader wait", "compute": "compute and host work", "communication": "communication",
+                "comm_wait": "waiting on a transfer in flight",
                 **{k: label for k, label, _, _ in charts.IDLE_CAUSES}}
 
 
@@ -140,7 +141,8 @@ def _replay_section(extras: dict, findings: list, cs: ChartSet) -> str:
         m = _dict(f.get("metrics"))
         if "replay_recoverable_ms" not in m and "critical_path_ms" not in m:
             continue
-        rows.append(f'<tr><td>{esc(f.get("title"))}</td><td class=num>{fmt_ms(f.get("recoverable_ms"))}</td>'
+        own = m.get("own_estimate_ms", f.get("recoverable_ms"))  # own_estimate_ms: the replay replaced it
+        rows.append(f'<tr><td>{esc(f.get("title"))}</td><td class=num>{fmt_ms(own)}</td>'
                     f'<td class=num>{fmt_ms(m.get("replay_recoverable_ms"))}</td>'
                     f'<td class=num>{fmt_ms(m.get("critical_path_ms"))}</td></tr>')
     table = ('<table class="replay"><thead><tr><th>Cause</th><th class=num>Its own estimate</th>'
@@ -151,12 +153,14 @@ def _replay_section(extras: dict, findings: list, cs: ChartSet) -> str:
                                                                   _dict(cp.get("by_part_ms"))})
     chart = cs.add(fig, "Critical path of the mean step, by part") if fig is not None else ""
     err = num(rep.get("fidelity_max_error"))
+    given = ("Each finding's recoverable time above is the replayed figure." if rep.get("replaces_estimates") is True
+             else "The replay does not reproduce the steps closely enough here: findings keep their own estimates.")
     return ('<h3 id="replay">What each fix gives back: the step graph replayed</h3>'
             '<p>Every rank\'s steps as one dependency graph (work in program order, collectives that end no earlier '
             'than their last arrival), replayed with one cause removed: a freed wait that only exposes another '
             f'saves nothing. All flagged causes removed together: {fmt_ms(rep.get("combined_what_if_ms"))} per step '
             f'of {fmt_ms(rep.get("replayed_step_ms"))}. The unedited replay reproduces the measured steps within '
-            f'{fmt_share(err) if err is not None else "—"}.</p>{table}{chart}')
+            f'{fmt_share(err) if err is not None else "—"}. {given}</p>{table}{chart}')
 
 
 def _metrics_table(metrics: dict) -> str:

@@ -18,6 +18,7 @@ LABELS = {
     "launch_overhead": "launch / per-op overhead",
     "compute_inflation": "compute inflation",
     "unexplained": "unexplained",
+    "every_cause": "every cause together",
 }
 
 
@@ -87,8 +88,10 @@ def render_scaling(data: dict) -> str:
                      f"<td class=num>{num(w.get('speedup')) or 0:.2f}x</td></tr>"
                      for w in _list(d.get("what_if")) if isinstance(w, dict))
     last = runs[-1].get("nproc") if runs else "?"
-    head = (f"{num(d.get('observed_speedup')) or 0:.2f}x observed at N={esc(last)} of an ideal "
-            f"{num(d.get('ideal_speedup')) or 0:.2f}x ({esc(d.get('mode'))} scaling)")
+    head = esc(d.get("verdict")) if isinstance(d.get("verdict"), str) and d.get("verdict") else (
+        f"{num(d.get('observed_speedup')) or 0:.2f}x observed at N={esc(last)} of an ideal "
+        f"{num(d.get('ideal_speedup')) or 0:.2f}x")
+    head += f" <span class=muted>({esc(d.get('mode'))} scaling)</span>"
     body = f"""<main>
 <header class="top"><h1>Scaling: where did the speedup go? <span class="muted">torch-diagnose</span></h1></header>
 <section class="verdict" id="verdict"><p class="headline">{head}</p>{_runs_table(runs)}</section>

@@ -1,6 +1,7 @@
 """Shared fixtures: the real traces in ../shared/traces and real torchrun jobs."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,6 +19,24 @@ def shared(name: str) -> Path:
     if not p.exists():
         pytest.skip(f"shared trace set {name} not found at {p} (clone without ../shared)")
     return p
+
+
+@functools.cache
+def shared_diagnosis(name: str):
+    """The diagnosis of one shared trace set with default thresholds, made once per test session
+    (a Diagnosis is frozen: tests read it, never change it)."""
+    from diagnose.pipeline import diagnose_paths
+
+    return diagnose_paths([shared(name)])
+
+
+@functools.cache
+def shared_run(name: str):
+    """One shared trace set loaded as a Run, once per test session (read it, never change it)."""
+    from diagnose.analyzers import reduce_rank
+    from diagnose.ingest.assemble import load_run
+
+    return load_run([shared(name)], reduce=reduce_rank)
 
 
 def run_dir(out: Path) -> Path:

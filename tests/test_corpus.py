@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from diagnose.cli import main
-from tests.conftest import ROOT, SHARED, torchrun
+from tests.conftest import ROOT, SHARED
+from tests.corpus.make_corpus import DEFAULT_PAIR as PAIR
 from tests.corpus.make_corpus import N_BAD_WITH_NAN, SKEW_US, XSS, make_corpus
 
 GPU = SHARED / "hta_nccl_data_rank0of2_a100" / "nccl_data.json.gz"
@@ -63,10 +64,21 @@ EXTRA_ARGS = {"decompression_bomb": ["--max-trace-gb", "0.1"]}
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict[str, Path]:
-    pair = tmp_path_factory.mktemp("pair")
-    res = torchrun(pair, "--pathology", "straggler")
-    assert res.returncode == 0, res.stderr[-2000:]
-    return make_corpus(tmp_path_factory.mktemp("corpus"), pair, GPU if GPU.exists() else None)
+    # a real job recorded once (tests/fixtures/cpu_straggler_2rank/README.md): no torchrun per run
+    return make_corpus(tmp_path_factory.mktemp("corpus"), PAIR, GPU if GPU.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def analyzed(corpus, tmp_path_factory):
+    """A case analysed once for the module: (CLI result, output directory)."""
+    done: dict[str, tuple] = {}
+
+    def get(case: str):
+        if case not in done:
+            out = tmp_path_factory.mktemp(case)
+            done[case] = (analyze(corpus[case], out), out)
+        return done[case]
+    return get
 
 
 def analyze(case_dir: Path, out: Path, *extra: str):
@@ -111,13 +123,13 @@ def test_degraded_cases_analyse_what_is_valid_and_say_what_was_skipped(corpus, c
 
 
 @pytest.mark.parametrize("case", OK)
-def test_ok_cases_analyse_normally(corpus, case, tmp_path):
-    res = analyze(corpus[case], tmp_path)
+def test_ok_cases_analyse_normally(analyzed, case):
+    res, out = analyzed(case)
     assert res.exit_code == 0, res.output
     assert res.output.startswith("VERDICT:")
-    d = diagnosis(tmp_path)
+    d = diagnosis(out)
     assert d["skipped"] == []
-    assert (tmp_path / "report.html").exists()
+    assert (out / "report.html").exists()
 
 
 def test_skipped_files_are_named_with_their_reason(corpus, tmp_path):
@@ -171,27 +183,26 @@ def test_single_step_lowers_confidence(corpus, tmp_path):
     assert d["findings"] and all(f["confidence"] != "high" for f in d["findings"])
 
 
-def test_thousands_of_steps(corpus, tmp_path):
-    analyze(corpus["thousands_of_steps"], tmp_path)
-    d = diagnosis(tmp_path)
+def test_thousands_of_steps(analyzed):
+    d = diagnosis(analyzed("thousands_of_steps")[1])
     assert d["run"]["steps_analysed"] >= 2990
     assert len(d["breakdown"]) == 2 * d["run"]["steps_analysed"]
 
 
-def test_huge_strings_stay_out_of_the_outputs(corpus, tmp_path):
-    analyze(corpus["huge_strings"], tmp_path)
-    assert (tmp_path / "diagnosis.json").stat().st_size < 2 << 20
-    assert (tmp_path / "report.html").stat().st_size < 8 << 20
+def test_huge_strings_stay_out_of_the_outputs(analyzed):
+    out = analyzed("huge_strings")[1]
+    assert (out / "diagnosis.json").stat().st_size < 2 << 20
+    assert (out / "report.html").stat().st_size < 8 << 20
 
 
-def test_hostile_names_leave_no_executable_markup(corpus, tmp_path):
+def test_hostile_names_leave_no_executable_markup(analyzed):
     from tests.test_report import assert_inert
 
-    analyze(corpus["hostile_names"], tmp_path)
-    d = diagnosis(tmp_path)
+    out = analyzed("hostile_names")[1]
+    d = diagnosis(out)
     names = [e["name"] for f in d["findings"] for e in f["events"]]
     assert any(XSS["script"] in n for n in names)  # the payload did reach the report's input
-    page = assert_inert((tmp_path / "report.html").read_text(encoding="utf-8"), XSS.values())
+    page = assert_inert((out / "report.html").read_text(encoding="utf-8"), XSS.values())
     assert any(XSS["script"] in s for s in page.section_text.values())  # shown, as text
 
 

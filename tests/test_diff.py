@@ -1,7 +1,6 @@
 """`diagnose diff`: before/after a fix on the real ResNet50 DataLoader traces (nw0 -> nw4)."""
 from __future__ import annotations
 
-import functools
 import json
 import re
 import subprocess
@@ -13,16 +12,14 @@ from click.testing import CliRunner
 from diagnose.cli import main
 from diagnose.diff import diff_diagnoses, diff_summary
 from diagnose.reports.diff import render_diff
-from tests.conftest import ROOT, shared
+from tests.conftest import ROOT, shared, shared_diagnosis
 
 NW0, NW4 = "kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4"
 HOSTILE = "<script>document.body.dataset.pwned='diff'</script>"
 
 
-@functools.lru_cache(maxsize=None)
 def _diagnosis(name: str):
-    from diagnose.pipeline import diagnose_paths
-    return diagnose_paths([shared(name)])
+    return shared_diagnosis(name)
 
 
 def test_diff_cli_reports_dataloader_gone_and_step_time(tmp_path):

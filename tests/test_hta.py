@@ -21,7 +21,7 @@ from diagnose.hta.compare import compare, hta_extras
 from diagnose.hta.worker import STALL_ENV
 from diagnose.output import diagnosis_dict
 from diagnose.reports.html import render
-from tests.conftest import ROOT, shared
+from tests.conftest import ROOT, shared, shared_diagnosis
 
 GPU_SETS = ["param_dlrm_8rank_v100", "hta_nccl_data_rank0of2_a100", "hta_sampled_2rank_of128",
             "edge_hta_ddp_world1_v100"]
@@ -36,10 +36,8 @@ def hta_installed():
     pytest.importorskip("hta.trace_analysis", reason="HTA is installed but cannot be imported (missing psutil?)")
 
 
-@functools.lru_cache(maxsize=None)
 def _diagnosis(name: str):
-    from diagnose.pipeline import diagnose_paths
-    return diagnose_paths([shared(name)])
+    return shared_diagnosis(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,7 +116,7 @@ def test_cpu_only_trace_says_hta_could_not_analyse(hta_installed):
 def test_time_limit_kills_hta_and_keeps_finished_analyses(hta_installed, monkeypatch):
     monkeypatch.setenv(STALL_ENV, "critical_path")
     path = shared("edge_hta_ddp_world1_v100")
-    res = run_hta({0: next(path.glob("*.json.gz"))}, timeout_s=25)
+    res = run_hta({0: next(path.glob("*.json.gz"))}, timeout_s=12)
     assert res.status == "ok"
     assert res.get("temporal").ok and res.get("idle").ok
     cp = res.get("critical_path")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import html
 import re
 from html.parser import HTMLParser
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import shared_diagnosis
 from diagnose.reports.html import _plotly_js, render, write_report
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -33,10 +33,9 @@ def trace_set(name: str) -> Path:
     return p
 
 
-@functools.lru_cache(maxsize=None)
 def _diagnosis(name: str):
-    from diagnose.pipeline import diagnose_paths
-    return diagnose_paths([trace_set(name)])
+    trace_set(name)  # skips when the set is missing
+    return shared_diagnosis(name)
 
 
 def diagnosis_json(name: str) -> dict:
@@ -239,9 +238,16 @@ def test_replay_section_lists_each_cause_with_its_replayed_figure():
     d = diagnosis_json("param_dlrm_8rank_v100")
     page = render(d)
     assert "What each fix gives back" in page and "Critical path of the mean step" in page
+    from diagnose.reports.common import fmt_ms
+
+    assert "Each finding's recoverable time above is the replayed figure." in page
     for f in d["findings"]:
-        if "replay_recoverable_ms" in f["metrics"]:
-            assert html.escape(f["title"], quote=True) in page
+        m = f["metrics"]
+        if "replay_recoverable_ms" in m:
+            # the row: the check's own estimate beside the replayed figure (now the finding's)
+            row = (f'<tr><td>{html.escape(f["title"], quote=True)}</td><td class=num>{fmt_ms(m["own_estimate_ms"])}'
+                   f'</td><td class=num>{fmt_ms(f["recoverable_ms"])}</td>')
+            assert row in page, row
     # a text metric wraps instead of squeezing the names column
     assert '<td class=val>' in page
 

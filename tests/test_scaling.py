@@ -6,10 +6,11 @@ import pytest
 from diagnose.scaling import ScalePoint, account
 
 
-def point(n, step, causes, compute, batch=32):
+def point(n, step, causes, compute, batch=32, replayed=None):
     return ScalePoint(nproc=n, step_ms=step, step_source="probe steps", per_rank_batch=batch,
                       throughput=n * batch / step * 1000, speedup=1.0, efficiency=1.0, run_dir=f"n{n}",
-                      trace_step_ms=step, causes_ms=causes, compute_ms=compute)
+                      trace_step_ms=step, causes_ms=causes, compute_ms=compute, replayed_step_ms=replayed,
+                      causes_from="replay" if replayed else "checks")
 
 
 def test_weak_scaling_straggler_accounts_for_the_whole_loss():
@@ -43,3 +44,27 @@ def test_unexplained_is_always_reported():
     ids = [b.id for b in s.waterfall]
     assert "unexplained" in ids and "compute_inflation" in ids
     assert dict((b.id, b.lost_speedup) for b in s.waterfall)["unexplained"] == pytest.approx(2 - 2 * 100 / 130, abs=1e-3)
+
+
+def test_replayed_costs_the_verdict_and_what_ifs_that_stay_positive():
+    """Replayed costs overlap (straggler 60 + DataLoader 40 > the 80 ms the two cost together):
+    the waterfall still sums to the lost speedup through unexplained; a what-if scales the probed
+    step by the replayed step without the cause; the verdict names the straggler's rank."""
+    base = point(1, 100.0, {"straggler": 0.0, "dataloader_starvation": 0.0}, 100.0, replayed=100.0)
+    top = point(2, 180.0, {"straggler": 60.0, "dataloader_starvation": 40.0}, 100.0, replayed=180.0)
+    s = account({1: base, 2: top}, ranks_by_cause={"straggler": (1,)})
+    bars = {b.id: b for b in s.waterfall}
+    assert sum(b.lost_speedup for b in s.waterfall) == pytest.approx(s.ideal_speedup - s.observed_speedup, abs=1e-3)
+    assert bars["unexplained"].delta_ms == pytest.approx(-20.0, abs=1e-6)  # the overlap, shown
+    assert all(b.delta_ms <= top.step_ms for b in s.waterfall)
+    w = {x.id: x for x in s.what_if}
+    assert w["straggler"].step_ms == pytest.approx(120.0) and w["every_cause"].step_ms == pytest.approx(100.0)
+    assert all(x.step_ms > 0 for x in s.what_if)
+    assert s.verdict.startswith("1.11x of an ideal 2.00x at N=2: the largest loss is waiting for a straggler on rank 1")
+    assert "without it a step would take 120.0 ms" in s.verdict
+
+
+def test_an_estimate_as_long_as_the_step_gets_no_what_if():
+    # a check's own estimate (no replay) can reach the step: no zero or negative what-if step
+    s = account({1: point(1, 100.0, {}, 100.0), 2: point(2, 120.0, {"straggler": 130.0}, 100.0)})
+    assert [x.id for x in s.what_if] == []

@@ -15,7 +15,7 @@ from diagnose.context import build_context
 from diagnose.model import CHECK_ORDER
 from diagnose.ingest.assemble import load_run
 from diagnose.thresholds import DEFAULT
-from tests.conftest import shared
+from tests.conftest import shared, shared_run
 
 NEW = ("device_memory", "pipeline_bubble", "checkpoint_io", "host_sync")
 
@@ -154,25 +154,25 @@ def test_host_syncs_on_dlrm():
 
 
 def test_host_syncs_on_other_gpu_traces():
-    ctx = build_context(load_run([shared("kineto_resnet50_dataloader_v100/nw0")], reduce=reduce_rank))
+    ctx = build_context(shared_run("kineto_resnet50_dataloader_v100/nw0"))
     f = _check(ctx, host_sync.analyze).finding
     assert f.metrics["sync_calls_per_step"] == 4  # the blocking input copies and their pageable cudaMemcpyAsync
     assert f.metrics["calls_by_cause_all_ranks"].startswith(".cpu() / .to() / copy_")
-    ctx = build_context(load_run([shared("hta_nccl_data_rank0of2_a100")], reduce=reduce_rank))
+    ctx = build_context(shared_run("hta_nccl_data_rank0of2_a100"))
     f = _check(ctx, host_sync.analyze).finding
     assert "cudaEventSynchronize" in f.metrics["calls_by_name_all_ranks"]
-    ctx = build_context(load_run([shared("edge_hta_ddp_world1_v100")], reduce=reduce_rank))
+    ctx = build_context(shared_run("edge_hta_ddp_world1_v100"))
     assert _check(ctx, host_sync.analyze).status == "passed"
 
 
 def test_host_syncs_not_measurable_on_cpu_trace():
-    ctx = build_context(load_run([shared("edge_hta_cpu_only_gloo_rank34of300")], reduce=reduce_rank))
+    ctx = build_context(shared_run("edge_hta_cpu_only_gloo_rank34of300"))
     c = _check(ctx, host_sync.analyze)
     assert c.status == "not_measurable" and "not measurable on CPU" in c.reason
 
 
 def test_new_checks_on_bare_gpu_traces_say_what_they_cannot_see():
-    ctx = build_context(load_run([shared("param_dlrm_8rank_v100")], reduce=reduce_rank))
+    ctx = build_context(shared_run("param_dlrm_8rank_v100"))
     checks = {c.id: c for e in CHECKLIST[4:] for c in e.analyze(ctx, DEFAULT)}
     assert checks["device_memory"].status == "not_measurable"  # no probes: no parameter count
     assert checks["checkpoint_io"].status == "not_measurable"
@@ -186,7 +186,7 @@ def test_small_micro_batch_blamed_on_tight_memory():
     from diagnose.analyzers import launch
     from diagnose.probedata import ProbeData
 
-    run = load_run([shared("hta_nccl_data_rank0of2_a100")], reduce=reduce_rank)
+    run = shared_run("hta_nccl_data_rank0of2_a100")
     p, total = 50_000_000, 40 * 10**9
     meta = {**_meta("AdamW", p, 4, 2), "device_memory": {
         "peak_allocated_bytes": int(0.93 * total), "peak_reserved_bytes": int(0.96 * total), "total_bytes": total}}

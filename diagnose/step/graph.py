@@ -13,8 +13,12 @@ Model (aligned clocks, every rank loaded):
   the measured last arrival), and its arrival waits for the previous collective on the same
   rank when it started after that one ended (stream order).
 - A blocked stretch of a lane ends at a *resume* point that depends on the end of the
-  collective it waited for (the latest one on the rank ending inside the stretch); a blocked
-  stretch no collective explains stays lane time.
+  collective it waited for (the latest one on the rank ending inside the stretch). A blocked
+  stretch no collective end explains stays lane time; where it lies between one of the rank's
+  collectives' last arrival and its end (a CPU rank's main thread waiting while the gloo thread
+  still transfers, resuming before the transfer's last bookkeeping), it is the lane part
+  `comm_wait`, which hiding communication removes; before the last arrival it is waiting for a
+  peer and stays.
 Every edge goes from an earlier measured time to a later one, so processing nodes in measured
 time order is a topological order, and the longest-path schedule (each node at the max over
 its predecessors of their time plus the edge weight) is one pass. With measured weights it
@@ -39,12 +43,13 @@ import pandas as pd
 
 from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.step.idle import CLASSES, IdleModel
-from diagnose.step.intervals import Intervals, covered, subtract, union
+from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
 
 # node kinds, in the order they are processed at equal times
 STEP_START, ARRIVAL, COLL_END, RESUME, STEP_END = range(5)
-# lane composition columns: DataLoader wait, then the idle model's classes, the rest last
-PARTS = ("dataloader",) + tuple(f"idle_{c}" for c in CLASSES) + ("compute",)
+# lane composition columns: DataLoader wait, the idle model's classes, waiting on a transfer no
+# collective end explains, the rest last
+PARTS = ("dataloader",) + tuple(f"idle_{c}" for c in CLASSES) + ("comm_wait", "compute")
 DL, COMPUTE = 0, len(PARTS) - 1
 # edge categories on the critical path
 LANE, TRANSFER, ORDER = range(3)
@@ -193,6 +198,8 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             st = int(steps[max(k, 0)])
             add(r, RESUME, max(float(b1), float(c_end[i])), st, None, int(c_group[i]), ref=int(i))
         blocked_by_rank[r] = Intervals(bl.starts[explained], bl.ends[explained])
+        in_transfer = union(latest[mine], c_end[mine])
+        parts_sets[r].append(intersect(Intervals(bl.starts[~explained], bl.ends[~explained]), in_transfer))
 
     kind = np.asarray(cols["kind"], dtype=np.int8)
     time = np.asarray(cols["time"], dtype=float)
@@ -406,4 +413,4 @@ def critical_path(g: StepGraph, rep: Replay) -> CriticalPath:
     n = max(done, 1)
     names = PARTS + ("communication",)
     return CriticalPath(by_part_ms={k: round(float(x) / n / 1000, 3) for k, x in zip(names, by_part) if x > 0},
-                        by_rank_ms={r: round(x / n / 1000, 3) for r, x in sorted(by_rank.items())}, steps=done)
+                        by_rank_ms={r: round(float(x) / n / 1000, 3) for r, x in sorted(by_rank.items())}, steps=done)

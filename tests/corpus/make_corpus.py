@@ -4,10 +4,11 @@
 
 --pair: a real 2-rank CPU trace pair with a straggler on rank 1, as recorded by
     torchrun --nproc_per_node=2 examples/train_ddp.py --trace-dir DIR --pathology straggler
-  (recorded into OUT_DIR/_pair when omitted; needs torch).
+  (default: the one kept in tests/fixtures/cpu_straggler_2rank; `--pair record` records a new one
+  into OUT_DIR/_pair, which needs torch).
 --gpu: a real GPU trace (default ../shared/traces/hta_nccl_data_rank0of2_a100/nccl_data.json.gz).
 
-Nothing is committed as a blob: every case is derived here from those real traces (or,
+Only the recorded pair is committed: every case is derived here from those real traces (or,
 for shapes no recorder produces, such as bombs and thousands of tiny steps, written
 from scratch). The expected outcome of each case is asserted in tests/test_corpus.py
 and documented in docs/bad-input.md.
@@ -26,6 +27,7 @@ from pathlib import Path
 import orjson
 
 ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PAIR = ROOT / "tests" / "fixtures" / "cpu_straggler_2rank"
 DEFAULT_GPU = ROOT.parent / "shared" / "traces" / "hta_nccl_data_rank0of2_a100" / "nccl_data.json.gz"
 XSS = {
     "script": "<script>document.body.dataset.pwned='script'</script>",
@@ -423,11 +425,12 @@ def make_corpus(out: Path, pair: Path, gpu: Path | None = DEFAULT_GPU,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--pair", type=Path, help="real 2-rank straggler trace pair (recorded if omitted)")
+    ap.add_argument("--pair", default=str(DEFAULT_PAIR),
+                    help="real 2-rank straggler trace pair, or 'record' to record one")
     ap.add_argument("--gpu", type=Path, default=DEFAULT_GPU)
     ap.add_argument("--only", nargs="*", help="case names")
     args = ap.parse_args(argv)
-    pair = args.pair or record_pair(args.out / "_pair")
+    pair = record_pair(args.out / "_pair") if args.pair == "record" else Path(args.pair)
     for name, d in make_corpus(args.out, pair, args.gpu if args.gpu.exists() else None, args.only).items():
         print(f"{name:32s} {d}")
     return 0
