@@ -23,11 +23,13 @@ CASES = [
     ("straggler", ["--pathology", "straggler"], ["--pathology", "none"]),
     ("dataloader_starvation", ["--pathology", "dataloader"], ["--pathology", "none"]),
     ("exposed_communication", ["--pathology", "tiny-buckets"], ["--pathology", "tiny-buckets", "--bucket-cap-mb", "25"]),
+    # two causes on one rank, both fixed: the combined what-if (not the sum of the single ones)
+    ("combined", ["--pathology", "straggler-dataloader"], ["--pathology", "none"]),
 ]
 
 
 def run(out: Path, args: list[str]):
-    """The job's measured point (diagnose.scaling.ScalePoint)."""
+    """The job's measured point (diagnose.scaling.ScalePoint) and its diagnosis."""
     from diagnose.cli import _free_port
     from diagnose.launch import run_with_probes
     from diagnose.scaling import measure_point
@@ -37,16 +39,22 @@ def run(out: Path, args: list[str]):
     outcome = run_with_probes(cmd, out, "2,2,5", quiet_job=True, echo=False)
     if outcome.code or outcome.run_dir is None:
         raise SystemExit(f"job failed: {' '.join(args)}")
-    point, _ = measure_point(2, outcome.run_dir)
-    return point
+    return measure_point(2, outcome.run_dir)
 
 
 def predict_and_measure(tmp: Path, cause: str, bad: list[str], good: list[str], i: int) -> tuple[float, float]:
     from diagnose.scaling import what_if_step
 
-    p = run(tmp / f"{cause}-bad-{i}", bad)
-    predicted = what_if_step(p, cause) or p.step_ms
-    measured = run(tmp / f"{cause}-good-{i}", good).step_ms
+    p, d = run(tmp / f"{cause}-bad-{i}", bad)
+    if cause == "combined":  # every flagged cause removed together, replayed
+        rep = d.extras.get("replay") or {}
+        base = rep.get("replayed_step_ms") or p.step_ms
+        predicted = p.step_ms * (base - rep.get("combined_what_if_ms", 0.0)) / base
+        singles = {f.id: f.recoverable_ms for f in d.findings}
+        print(f"  combined #{i}: findings {singles}, combined {rep.get('combined_what_if_ms')} ms", flush=True)
+    else:
+        predicted = what_if_step(p, cause) or p.step_ms
+    measured = run(tmp / f"{cause}-good-{i}", good)[0].step_ms
     print(f"  {cause} #{i}: step {p.step_ms:.1f} ms, causes from {p.causes_from}, predicted {predicted:.1f}, "
           f"measured {measured:.1f}", flush=True)
     return predicted, measured

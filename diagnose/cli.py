@@ -32,6 +32,11 @@ def check_schedule(text: str) -> None:
         fail(f"--schedule: {exc}")
 
 
+CAPTURE_STALE_S, CAPTURE_STALE_STEPS = 60.0, 20
+"""`capture` refuses a run none of whose ranks finished a step for this long (a checkpoint save or
+an evaluation pass can take tens of seconds: only a clearly stale log is refused)."""
+
+
 def refuse_finished(pdir: Path, what: str) -> None:
     """`capture` and `hang` talk to a running job: a finished run (its lock released) is refused
     at once instead of after the whole timeout."""
@@ -180,12 +185,19 @@ def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> No
 
     Coordination is one control file in the run directory; the job gets no collective, no barrier.
     """
-    from diagnose.oncall import check_capture_steps, probe_dir, request_capture, wait_for_capture
+    from diagnose.oncall import check_capture_steps, live_tails, probe_dir, progress, request_capture, \
+        wait_for_capture
 
     try:
         check_capture_steps(steps)
         pdir = probe_dir(run_dir, note)
         refuse_finished(pdir, "`capture` needs a running job (`diagnose analyze` reads what it wrote)")
+        # without a lock to ask (probes.watch() runs), stale step logs tell a job that is gone
+        p = progress(live_tails(pdir), min_s=CAPTURE_STALE_S, steps=CAPTURE_STALE_STEPS)
+        if p.ages and len(p.quiet) == len(p.ages):
+            fail(f"{pdir}: no rank has finished a step for {min(p.quiet.values()):.0f} s: the job has stopped or "
+                 "is stuck, and a capture needs steps (`diagnose hang` if it is stuck; `diagnose analyze` reads "
+                 "what it wrote)")
         req = request_capture(pdir, steps)
     except DiagnoseError as exc:
         fail(str(exc))
@@ -211,14 +223,15 @@ def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> No
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--timeout", "timeout_s", default=20.0, show_default=True,
               help="Seconds to wait for every rank's Flight Recorder dump.")
-def hang(run_dir: Path, timeout_s: float) -> None:
+@click.option("--force", is_flag=True, help="Ask for the dumps even when every rank is still finishing steps.")
+def hang(run_dir: Path, timeout_s: float, force: bool) -> None:
     """Which rank is a HUNG job waiting for? Reads every rank's Flight Recorder (JSON only).
 
-    RUN_DIR: a running job started with `diagnose run` (its ranks are asked for dumps), or a
-    folder of rank{R}.fr.json dumps collected earlier.
+    RUN_DIR: a running job started with `diagnose run` (its ranks are asked for dumps, once its
+    step logs show it is stuck), or a folder of rank{R}.fr.json dumps collected earlier.
     """
     from diagnose.hang import analyze_hang, read_dumps, render_hang, request_dumps, wait_for_dumps
-    from diagnose.oncall import expected_ranks, live_tails, probe_dir
+    from diagnose.oncall import expected_ranks, live_tails, probe_dir, progress
 
     try:
         if run_dir.is_dir() and any(run_dir.glob("rank*.fr.json")):
@@ -228,9 +241,22 @@ def hang(run_dir: Path, timeout_s: float) -> None:
             refuse_finished(pdir, "nothing of it can hang now (to read dumps collected earlier, pass their "
                                   "folder: RUN_DIR/traces/hang-ID)")
             warnings: list[str] = []
-            expected = expected_ranks(pdir, set(live_tails(pdir, warnings)), warnings)
+            tails = live_tails(pdir, warnings)
+            expected = expected_ranks(pdir, set(tails), warnings)
             for w in warnings:
                 note(f"diagnose: warning: {w}")
+            moving = progress(tails)
+            if moving.moving(expected) and not force:
+                # a job whose every rank still finishes steps is not hung: say so, ask nothing
+                newest = max(moving.ages.values())
+                click.echo(f"NOT STUCK: every rank finished a step in the last {newest:.1f} s (steps "
+                           f"{min(moving.steps.values())}-{max(moving.steps.values())}); nothing hangs. "
+                           "Slow, not stuck? `diagnose watch` or `diagnose capture`. (--force asks for the "
+                           "Flight Recorder dumps anyway.)")
+                return
+            if moving.quiet:
+                note("diagnose: no finished step for " + ", ".join(
+                    f"rank {r}: {a:.0f} s" for r, a in sorted(moving.quiet.items())[:8]))
             hid = request_dumps(pdir)
             click.echo(f"hang {hid}: asked {len(expected) or 'every'} rank(s) for their Flight Recorder; "
                        f"waiting up to {timeout_s:.0f} s", err=True)
@@ -367,7 +393,8 @@ def _free_port() -> int:
 @main.command()
 @click.option("--out", "out", default="diagnose-demo", show_default=True, type=click.Path(path_type=Path))
 @click.option("--pathology", default="straggler", show_default=True,
-              type=click.Choice(["none", "dataloader", "straggler", "tiny-batch", "tiny-buckets"]),
+              type=click.Choice(["none", "dataloader", "straggler", "tiny-batch", "tiny-buckets",
+                                 "straggler-dataloader"]),
               help="Which fault the example job injects.")
 @click.option("--nproc", default=2, show_default=True, help="Ranks (gloo on CPU, NCCL on GPUs).")
 def demo(out: Path, pathology: str, nproc: int) -> None:

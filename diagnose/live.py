@@ -39,6 +39,14 @@ class LiveView:
     window: int
     warnings: tuple[str, ...] = ()
     """Step logs skipped because they cannot be read safely (a FIFO, a device), one line each."""
+    quiet_s: float = 0.0
+    """Seconds since any rank last finished a step."""
+
+
+STALE_MIN_S = 15.0
+STALE_STEPS = 10
+"""No rank finishing a step for STALE_STEPS median steps (at least STALE_MIN_S): the job has
+stopped or is stuck, and the view says so instead of a provisional suspicion."""
 
 
 def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float | None = None) -> LiveView:
@@ -85,9 +93,13 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
     if comm / step_ms >= th.communication and late_rank is None:
         suspects.append((comm, f"communication: collectives take {comm / step_ms:.0%} of each step"))
     suspicion = max(suspects)[1] if suspects else "nothing stands out"
-    return LiveView(tuple(ranks), slowest.rank, furthest - slowest.step, late_rank, late_ms,
-                    f"{suspicion} (provisional: timings of the last {window} steps, no trace)", window,
-                    tuple(warnings))
+    suspicion = f"{suspicion} (provisional: timings of the last {window} steps, no trace)"
+    quiet = min(x.age_s for x in ranks)
+    if quiet > max(STALE_MIN_S, STALE_STEPS * step_ms / 1000):
+        suspicion = (f"no rank has finished a step for {quiet:.0f} s: the job has stopped or is stuck "
+                     f"(`diagnose hang` tells which); over its last steps: {suspicion}")
+    return LiveView(tuple(ranks), slowest.rank, furthest - slowest.step, late_rank, late_ms, suspicion, window,
+                    tuple(warnings), quiet_s=quiet)
 
 
 def render(view: LiveView) -> str:
@@ -97,8 +109,10 @@ def render(view: LiveView) -> str:
         mark += " <- late at collectives" if x.rank == view.late_rank else ""
         lines.append(f"{x.rank:>4} {x.step:>7} {x.step_ms:>9.1f} {x.dataloader_share:>9.0%} {x.comm_ms:>8.1f} "
                      f"{x.age_s:>8.1f}s{mark}")
-    if view.slowest_rank is not None:
+    if view.slowest_rank is not None and view.behind_steps > 0:
         lines.append(f"slowest rank: {view.slowest_rank}, {view.behind_steps} step(s) behind the furthest")
+    elif view.ranks:  # in step: which rank is slow is the late-at-collectives mark's to say
+        lines.append(f"all ranks at step {view.ranks[0].step}")
     lines.append(f"suspicion: {view.suspicion}")
     lines += [f"warning: {one_line(w)}" for w in view.warnings]
     return "\n".join(lines)

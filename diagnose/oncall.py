@@ -111,6 +111,40 @@ def live_tails(pdir: Path, warnings: list[str] | None = None) -> dict[int, list[
     return tails
 
 
+PROGRESS_MIN_S = 5.0
+PROGRESS_STEPS = 5
+"""A rank is progressing when its last step finished within PROGRESS_STEPS of its median step
+time (at least PROGRESS_MIN_S) ago."""
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    quiet: dict[int, float]
+    """Ranks not progressing: seconds since their last finished step."""
+    ages: dict[int, float]
+    """Every rank with a step log: seconds since its last finished step."""
+    steps: dict[int, int]
+    limit_s: float
+
+    def moving(self, expected: list[int]) -> bool:
+        """Every expected rank (every rank seen, when none are) is progressing."""
+        want = set(expected) or set(self.ages)
+        return bool(self.ages) and want <= set(self.ages) and not self.quiet
+
+
+def progress(tails: dict[int, list[dict]], now: float | None = None, min_s: float = PROGRESS_MIN_S,
+             steps: int = PROGRESS_STEPS) -> Progress:
+    """Which ranks are still finishing steps, from their step logs' last records (quiet: no step
+    finished for `steps` median steps, at least min_s)."""
+    now = time.time() if now is None else now
+    ages = {r: max(0.0, now - (t[-1]["start"] + t[-1]["dur_ms"] / 1000)) for r, t in tails.items() if t}
+    durs = sorted(x["dur_ms"] for t in tails.values() for x in t[-20:])
+    step_s = durs[len(durs) // 2] / 1000 if durs else 0.0
+    limit = max(min_s, steps * step_s)
+    return Progress(quiet={r: a for r, a in ages.items() if a > limit}, ages=ages,
+                    steps={r: int(t[-1]["step"]) for r, t in tails.items() if t}, limit_s=limit)
+
+
 def expected_ranks(pdir: Path, seen: set[int], warnings: list[str] | None = None) -> list[int]:
     """Ranks 0..world-1 per the sidecars' world size, else the ranks seen. A world size that no
     job has (not an int in 1..MAX_WORLD_SIZE) is ignored, with a warning."""

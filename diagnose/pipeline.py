@@ -13,6 +13,7 @@ from diagnose.ingest.assemble import Progress, ReduceFailed, Run, load_run
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
+from diagnose.step.graph import critical_segments
 from diagnose.step.idle import CLASSES, LATENCY
 from diagnose.step.intervals import clip
 from diagnose.thresholds import DEFAULT, Thresholds
@@ -156,7 +157,14 @@ def _timeline_extra(ctx: Context) -> dict:
         for lane in x["lanes"].values():
             for iv in lane:  # [start, dur] or, for idle gaps, [start, dur, cause]
                 iv[0] = round(iv[0] - t0, 4)
-    return {"step": step, "ranks": rows, "clock": "ms from the earliest rank's step start, clocks aligned"}
+    out = {"step": step, "ranks": rows, "clock": "ms from the earliest rank's step start, clocks aligned"}
+    m = ctx.model
+    if m is not None and m.trusted and len(run.ranks) <= MAX_TIMELINE_RANKS:
+        # the chain that set this step's end, as a strip over the lanes: [start, dur, rank, part]
+        segs = critical_segments(m.graph, m.base, step)[:MAX_LANE_INTERVALS]
+        out["critical_path"] = [[round(a / 1000 - t0, 4), round((b - a) / 1000, 4), r, what]
+                                for a, b, r, what in segs]
+    return out
 
 
 def _lateness_extra(ctx: Context) -> dict:

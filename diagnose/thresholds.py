@@ -35,8 +35,10 @@ class Thresholds:
     straggler_alpha: float = 0.05
     """...and only if being last that often is unlikely by chance: with n ranks each is last
     at 1/n of the collectives under jitter alone, so with two ranks "last at 60% of 5" is a
-    coin toss. One-sided binomial test at the usual 5% level (collectives taken as
-    independent: lenient, since one slow step makes a rank last at all its collectives)."""
+    coin toss. One-sided tests (binomial on being last, t on how late; in the profiled steps and
+    in the every-step record) together at the usual 5% level, each at 5% over the number run
+    (collectives taken as independent: lenient, since one slow step makes a rank last at all its
+    collectives)."""
 
     launch_overhead: float = 0.10
     """Flag launch/host overhead when the device idles (outside DataLoader waits) for

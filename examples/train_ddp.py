@@ -11,9 +11,12 @@ Presets (--pathology; explicit flags below override them):
   straggler     rank 1 sleeps 150 ms before each backward
   tiny-batch    micro-batch of 1 on a deep, narrow model: per-op overhead dominates
   tiny-buckets  many small all-reduces (bucket_cap_mb tiny) on a wide model
+  straggler-dataloader  two causes on one rank: rank 1 sleeps 100 ms before each backward and its
+                own DataLoader is slow (0.4 ms per sample, about 100 ms per step)
 
 Pathology flags (all off by default: a healthy run):
   --slow-getitem-ms MS      each Dataset.__getitem__ sleeps (dataloader starvation with --num-workers 0)
+  --slow-getitem-rank R     only rank R's Dataset is slow (default: every rank's)
   --straggler-rank R        rank R sleeps --straggler-ms before each backward (arrives late at all-reduce)
   --batch-size small        with a wide model: tiny micro-batch, per-op overhead dominates
   --bucket-cap-mb tiny      many small all-reduces
@@ -61,9 +64,11 @@ PRESETS: dict[str, dict] = {
     "straggler": {"straggler_rank": 1, "straggler_ms": 150.0},
     "tiny-batch": {"batch_size": 1, "dim": 32, "hidden": 32, "layers": 40, "repeat": 1},
     "tiny-buckets": {"bucket_cap_mb": 0.01, "layers": 6, "repeat": 1},
+    "straggler-dataloader": {"straggler_rank": 1, "straggler_ms": 100.0, "slow_getitem_ms": 0.4,
+                             "slow_getitem_rank": 1, "num_workers": 0},
 }
 DEFAULTS = {"steps": 12, "batch_size": 256, "dim": 256, "hidden": 512, "layers": 3, "repeat": 8, "num_workers": 0,
-            "slow_getitem_ms": 0.0, "straggler_rank": -1, "straggler_ms": 50.0, "bucket_cap_mb": 25.0}
+            "slow_getitem_ms": 0.0, "slow_getitem_rank": -1, "straggler_rank": -1, "straggler_ms": 50.0, "bucket_cap_mb": 25.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int)
     p.add_argument("--pin-memory", action="store_true")
     p.add_argument("--slow-getitem-ms", type=float)
+    p.add_argument("--slow-getitem-rank", type=int)
     p.add_argument("--straggler-rank", type=int)
     p.add_argument("--straggler-ms", type=float)
     p.add_argument("--bucket-cap-mb", type=float)
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     n = args.batch_size * (args.steps + 2)
     loader = DataLoader(
-        SyntheticDataset(n, args.dim, args.slow_getitem_ms),
+        SyntheticDataset(n, args.dim, args.slow_getitem_ms if args.slow_getitem_rank in (-1, rank) else 0.0),
         batch_size=args.batch_size,
         num_workers=args.num_workers,
         pin_memory=args.pin_memory and use_cuda,

@@ -97,11 +97,24 @@ class StepRecord:
     dur_ms: float
     dataloader_ms: float
     comm_ms: float
+    """Wall time with at least one collective in flight: DDP's bucket all-reduces overlap, so
+    their durations are merged, never added (the sum can exceed the step)."""
     collectives: list = field(default_factory=list)
     """[name, arrival offset ms from step start, duration ms, bytes, group] per collective."""
     spans: list = field(default_factory=list)
     """[kind, name, offset ms from step start, duration ms, info dict] for other timed work
     (checkpoint saves, host syncs, ...)."""
+
+
+def _in_flight_ms(colls: list) -> float:
+    """Length of the union of the collectives' [start, start + duration] (ms)."""
+    total, end = 0.0, float("-inf")
+    for start, dur in sorted((c[1], c[2]) for c in colls):
+        if start + dur <= end:
+            continue
+        total += start + dur - max(start, end)
+        end = start + dur
+    return total
 
 
 class Probe:
@@ -184,10 +197,11 @@ class Probe:
         try:
             with self._lock:
                 dur = (end - start) * 1000.0
-                self._comm_ms += dur
                 if len(self._colls) < 4096:  # bound memory if a step issues a flood of tiny ops
                     self._colls.append([name, round((start - self._t0) * 1000.0, 4), round(dur, 4), int(nbytes),
                                         group])
+                else:
+                    self._comm_ms += dur  # past the cap: added, the step's length bounds it below
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
             self._fail("collectives", exc)
 
@@ -232,8 +246,10 @@ class Probe:
         self._resolve_cuda()
         try:
             with self._lock:
-                rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round((now - self._t0) * 1000.0, 4),
-                                 dataloader_ms=round(self._dl_ms, 4), comm_ms=round(self._comm_ms, 4),
+                dur_ms = (now - self._t0) * 1000.0
+                comm = min(_in_flight_ms(self._colls) + self._comm_ms, dur_ms)
+                rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round(dur_ms, 4),
+                                 dataloader_ms=round(self._dl_ms, 4), comm_ms=round(comm, 4),
                                  collectives=self._colls, spans=self._spans)
                 self._colls = []
                 self._spans = []

@@ -32,6 +32,9 @@ IDLE_CAUSES: tuple[tuple[str, str, str, str], ...] = (
     ("idle_unattributed", "idle: unattributed", "#9E9E9E", "|"),
 )
 FLAGGED_COLOUR, OTHER_COLOUR = "#CC3311", "#BBBBBB"
+# the critical-path strip's colour per graph part (diagnose/step/graph.py PARTS)
+CRITICAL_COLOURS = {"compute": COMPONENTS[0][2], "communication": COMPONENTS[1][2], "comm_wait": COMPONENTS[1][2],
+                    "dataloader": COMPONENTS[3][2], **{k: c for k, _, c, _ in IDLE_CAUSES}}
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 
 # Which breakdown component shows each finding per rank, when metrics carry no
@@ -203,6 +206,8 @@ LANES: tuple[tuple[str, str, str, str], ...] = (
 IDLE_LANE = "device idle"
 """One row per rank: each idle gap coloured by its cause ([start, dur, class] in the JSON)."""
 MAX_TIMELINE_BARS = 6000  # keep the page light even for many ranks
+CRITICAL_ROW = "critical path"
+"""The strip over the lanes: each stretch of the chain that set the step's end, by part."""
 
 
 def step_timeline(timeline: dict) -> go.Figure | None:
@@ -242,6 +247,19 @@ def step_timeline(timeline: dict) -> go.Figure | None:
             fig.add_bar(y=ys, x=xs, base=bases, orientation="h", name=name, width=0.8,
                         marker={"color": colour, "line": {"width": 0}, "pattern": _pattern(shape)},
                         hovertemplate=f"%{{y}}<br>start %{{base:.2f}} ms, {plot_text(name)} %{{x:.3f}} ms<extra></extra>")
+    crit = [iv for iv in (timeline.get("critical_path") or [])[:max(budget, 0)]
+            if isinstance(iv, list) and len(iv) == 4 and num(iv[0]) is not None and num(iv[1]) is not None]
+    if crit and fig.data:
+        # the chain that set the step's end, above every rank's lanes: which rank, doing what
+        order.append(CRITICAL_ROW)
+        fig.add_bar(y=[CRITICAL_ROW] * len(crit), x=[num(iv[1]) for iv in crit], base=[num(iv[0]) for iv in crit],
+                    orientation="h", name=CRITICAL_ROW, width=0.8,
+                    marker={"color": [CRITICAL_COLOURS.get(str(iv[3]), OTHER_COLOUR) for iv in crit],
+                            "line": {"color": "#000", "width": 1}},
+                    customdata=[[plot_text(f"rank {_rank(iv[2])}"), plot_text(str(iv[3]).removeprefix("idle_"))]
+                                for iv in crit],
+                    hovertemplate="critical path: %{customdata[0]}, %{customdata[1]}<br>start %{base:.2f} ms, "
+                                  "%{x:.3f} ms<extra></extra>")
     if not fig.data:
         return None
     fig.update_yaxes(categoryorder="array", categoryarray=order)
@@ -256,8 +274,7 @@ def critical_path_bar(by_part: dict, labels: dict) -> go.Figure | None:
     parts = [(k, num(v)) for k, v in (by_part or {}).items() if num(v) and num(v) > 0]
     if not parts:
         return None
-    colours = {"compute": COMPONENTS[0][2], "communication": COMPONENTS[1][2], "dataloader": COMPONENTS[3][2],
-               **{k: c for k, _, c, _ in IDLE_CAUSES}}
+    colours = CRITICAL_COLOURS
     fig = go.Figure()
     for k, v in parts:
         label = plot_text(labels.get(k, k))

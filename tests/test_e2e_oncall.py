@@ -11,7 +11,7 @@ import time
 import pytest
 
 from diagnose.live import render, snapshot
-from diagnose.oncall import live_tails
+from diagnose.oncall import live_tails, progress
 from diagnose.rundir import run_dirs
 from tests.conftest import EXAMPLE, ROOT, _free_port, run_dir
 
@@ -113,12 +113,23 @@ def test_watch_renders_recorded_light_mode_files(tmp_path):
 
 
 def test_hang_names_the_rank_that_did_not_enter_the_collective(tmp_path):
-    # DDP: rank 1 sleeps before step 12's forward, so rank 0 waits inside the all-reduce of step 12
+    # DDP: rank 1 sleeps before step 150's forward, so rank 0 waits inside the all-reduce of step 150
     job = start_job(tmp_path, "--steps", "400", "--batch-size", "32",
-                    "--stall-rank", "1", "--stall-at-step", "12", "--stall-s", "45", run_flags=["--flight-recorder"])
+                    "--stall-rank", "1", "--stall-at-step", "150", "--stall-s", "45", run_flags=["--flight-recorder"])
     try:
-        wait_for_steps(tmp_path, 12)
-        time.sleep(2)  # rank 0 is now blocked in the collective, rank 1 asleep before it
+        wait_for_steps(tmp_path, 3)
+        # still stepping: not stuck, said at once, and nothing is asked of the job
+        res = cli("hang", str(tmp_path), "--timeout", "20")
+        assert res.returncode == 0 and res.stdout.startswith("NOT STUCK: every rank finished a step"), res.stdout
+        assert not list((run_dir(tmp_path) / "traces").glob("hang-*"))
+        wait_for_steps(tmp_path, 150)
+        # rank 0 is now blocked in the collective, rank 1 asleep before it; `hang` asks for dumps
+        # once the step logs show no progress (a few seconds)
+        pdir = run_dir(tmp_path) / "traces"
+        deadline = time.monotonic() + 30
+        while progress(live_tails(pdir)).moving([]):
+            assert time.monotonic() < deadline, "the stalled job kept finishing steps"
+            time.sleep(0.5)
         t = time.monotonic()
         res = cli("hang", str(tmp_path), "--timeout", "20")
         assert time.monotonic() - t < 30

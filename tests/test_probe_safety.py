@@ -394,3 +394,19 @@ def test_a_bad_control_file_is_ignored_and_polling_goes_on(tmp_path):
     cap.poll(5)  # a valid request after the bad ones: answered (missed: its start has passed)
     assert json.loads((d.path / "capture-late" / "rank0.capture.json").read_text())["status"] == "missed"
     p.close()
+
+
+def test_concurrent_collectives_count_once_in_the_step_record(tmp_path):
+    """DDP's bucket all-reduces overlap: the step record's comm_ms (what `diagnose watch` shows)
+    is the time some collective was in flight, never more than the step."""
+    p = _probe(tmp_path)
+    t = time.perf_counter()
+    p.on_collective("all_reduce", t, t + 0.030, 1024, "0")
+    p.on_collective("all_reduce", t + 0.010, t + 0.040, 1024, "0")  # overlaps the first by 20 ms
+    p.on_collective("all_reduce", t + 0.050, t + 0.055, 1024, "0")
+    time.sleep(0.06)
+    p.on_step()
+    p.close()
+    rec = json.loads((tmp_path / "traces" / "rank0.steps.jsonl").read_text().splitlines()[0])
+    assert rec["comm_ms"] == pytest.approx(45.0, abs=1e-3)  # 0-40 and 50-55, not 30 + 30 + 5
+    assert rec["comm_ms"] <= rec["dur_ms"]

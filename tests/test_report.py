@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import shared_diagnosis
 from diagnose.reports.html import _plotly_js, render, write_report
+from tests.conftest import shared_diagnosis
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SETS = ["param_dlrm_8rank_v100", "kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4",
@@ -257,3 +257,22 @@ def test_long_text_metric_values_do_not_use_the_nowrap_number_cell():
     d["findings"][0]["metrics"] = {"a_long_list": "x" * 500, "a_number": 1.5}
     page = render(d)
     assert '<td class=val>' + "x" * 500 in page and "<td class=num>1.5" in page
+
+
+def test_critical_path_strip_tiles_the_step_and_runs_through_the_late_rank():
+    """The strip over the mini timeline is the chain that set the shown step's end: its stretches
+    follow each other without gap from the start of the rank it begins on (a late start is where a
+    path begins) to the latest rank's end, and on param_dlrm_8rank_v100 it runs through rank 7,
+    which enters the first all_to_all last."""
+    d = diagnosis_json("param_dlrm_8rank_v100")
+    tl = d["extras"]["timeline"]
+    strip = tl["critical_path"]
+    assert strip and {iv[2] for iv in strip} >= {7}
+    for a, b in zip(strip, strip[1:]):
+        assert b[0] == pytest.approx(a[0] + a[1], abs=2e-3)
+    end = max(r["start_ms"] + r["dur_ms"] for r in tl["ranks"])
+    first = next(r for r in tl["ranks"] if r["rank"] == strip[0][2])
+    assert strip[0][0] == pytest.approx(first["start_ms"], abs=2e-3)
+    assert strip[-1][0] + strip[-1][1] == pytest.approx(end, abs=2e-3)
+    page = render(d)
+    assert '"critical path"' in page

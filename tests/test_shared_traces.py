@@ -42,20 +42,29 @@ def test_resnet_prediction_matches_the_fix():
 def test_dlrm_all_ranks_communication_and_rank7_late():
     d = shared_diagnosis("param_dlrm_8rank_v100")
     assert d.run.ranks_found == tuple(range(8)) and d.run.ranks_missing == ()
+    # 4.5 ms per step of communication not hidden under compute, yet hiding every transfer gives
+    # back 0.2 ms: the ranks sit in the collectives waiting for the late ones' arrival (the
+    # issue's DLRM case), which no bucket size shortens
     comm = check(d, "exposed_communication")
-    assert comm.status == "flagged"
-    # NCCL dominates the device time of every rank
-    lo = int(comm.finding.metrics["comm_share_of_device_time"].split("-")[0].rstrip("%"))
-    assert lo >= 50
+    assert comm.status == "passed" and "other waits take its place" in comm.reason, comm.reason
+    assert comm.measured_ms == pytest.approx(4.51, abs=0.01)
+    # rank 7 is the one late, and the check names it and what it does extra; by its effect on the
+    # step (replayed: 4.8%) it stays under the 5% threshold
     strag = check(d, "straggler")
-    assert strag.finding is not None and strag.finding.ranks == (7,)
+    assert strag.reason.startswith("rank 7 is last to arrive") and "late from" in strag.reason, strag.reason
+    assert strag.status == "passed" and "below the 5% threshold" in strag.reason
+    assert "mostly the device waiting for host launches" in strag.reason  # its launch idle: 7.0 ms vs 5.7
 
 
-def test_sampled_two_of_128_loads_and_flags_communication():
+def test_sampled_two_of_128_loads_and_weighs_communication_by_replay():
     d = shared_diagnosis("hta_sampled_2rank_of128")
     assert d.run.ranks_found == (0, 1) and d.run.world_size == 128
-    assert "exposed_communication" in ids(d)
     assert any("2 of 128 ranks" in w for w in d.warnings)
+    # 97 ms per step of communication not hidden under compute, of which hiding every transfer
+    # gives back 56 ms (9.1%: the rest is waiting for arrivals), under the 10% threshold
+    comm = check(d, "exposed_communication")
+    assert comm.status == "passed" and comm.measured_ms == pytest.approx(97.4, abs=0.1)
+    assert comm.reason.startswith("removing it gives back 56.08 ms per step (9.1%), below the 10% threshold")
 
 
 def test_nccl_data_host_bound_ranks_high():

@@ -84,3 +84,45 @@ def test_last_by_chance_is_jitter_not_a_straggler(tmp_path):
     assert comm.measured_ms == pytest.approx(TRANSFER_US / 1000, abs=0.01)
     # the others (rank 0) waited for rank 1 at 4 of 6 steps, 2 ms each: 1.3 ms per step
     assert "the 1.3 ms per step of waiting is arrival jitter" in c.reason
+
+
+def write_ranks(directory, lates: list[dict[int, float]], n: int = 4) -> None:
+    """n gloo ranks; at step s each rank computes lates[s].get(rank, 0) us longer before the
+    all-reduce, which everyone leaves TRANSFER_US after the last arrival."""
+    for r in range(n):
+        evs = []
+        for s, late in enumerate(lates):
+            t0 = 1_000_000.0 + s * STEP_US
+            arrive = {q: t0 + WORK_US + late.get(q, 0.0) for q in range(n)}
+            leave = max(arrive.values()) + TRANSFER_US
+            evs += [_x("user_annotation", f"ProfilerStep#{s}", t0, STEP_US, 1),
+                    _x("cpu_op", "aten::mm", t0, arrive[r] - t0, 1),
+                    _x("cpu_op", "c10d::allreduce_", arrive[r], 5.0, 1),
+                    _x("user_annotation", "gloo:all_reduce", arrive[r] + 2, leave - arrive[r] - 2, 3)]
+        doc = {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": r, "world_size": n},
+               "host_name": "node", "traceEvents": evs}
+        (directory / f"rank{r}.pt.trace.json").write_bytes(orjson.dumps(doc))
+
+
+def test_the_rank_named_is_the_one_whose_lateness_costs_the_step(tmp_path):
+    """Rank 0 is last most often (7 of 12 steps) but by 20 us; rank 3 is last at 5 steps by 5 ms.
+    Counting who is last names rank 0, whose lateness costs nothing; by effect (the replay with the
+    rank brought to the median) rank 3 costs 5 x 5 / 12 = 2.08 ms per step, and its lateness is
+    beyond chance (t-test)."""
+    lates = [{3: 5_000.0} if s % 12 in (1, 3, 6, 8, 10) else {0: 20.0} for s in range(12)]
+    write_ranks(tmp_path, lates)
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.status == "flagged" and c.finding.ranks == (3,), c.reason
+    m = c.finding.metrics
+    assert m["rank0_last_share"] == pytest.approx(7 / 12, abs=1e-3)
+    assert m["rank3_effect_ms"] == pytest.approx(5 * 5.0 / 12, abs=0.01)
+    assert m["rank0_effect_ms"] == pytest.approx(7 * 0.02 / 12, abs=0.01)
+    assert m["p_late_on_average"] <= 0.025
+    assert c.finding.recoverable_ms == pytest.approx(5 * 5.0 / 12, abs=0.01)  # the replay's
+
+
+def test_a_rank_always_last_by_a_hair_costs_nothing_and_passes(tmp_path):
+    # beyond chance (last at 12 of 12), yet bringing it to the median gives back 20 us per step
+    write_ranks(tmp_path, [{0: 20.0}] * 12)
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.status == "passed" and "below the 5% threshold" in c.reason, c.reason

@@ -90,4 +90,4 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
               f"{metrics['overlapped_share']:.0%} of it overlaps compute")
     if tiny:
         reason += f"; {per_step:.0f} small collectives per step (no bucketing?)"
-    return [flag_or_pass(f, th.communication, th, reason)]
+    return [flag_or_pass(f, th.communication, th, reason, ctx)]

@@ -109,7 +109,7 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
         "(GPU) or blocking the training thread (CPU), on the worst rank.")
     level = "highly input-bound" if share >= th.input_bound_high else "input-bound"
     return flag_or_pass(f, th.input_bound, th, f"{level}: rank {worst} waits {ms:.1f} ms per step "
-                        f"({share:.0%}) for the next batch")
+                        f"({share:.0%}) for the next batch", ctx)
 
 
 def _input_stall(ctx: Context, th: Thresholds) -> Check:
@@ -128,7 +128,7 @@ def _input_stall(ctx: Context, th: Thresholds) -> Check:
         metrics={"exposed_h2d_ms_per_step": round(ms, 3), "share_of_step": round(share, 4)},
         events=tuple(refs[:6]), fix=FIX_STALL, confidence=confidence_for(ctx, "medium"),
         method="Mean per-step host-to-device copy time during which no kernel runs, on the worst rank.")
-    return flag_or_pass(f, th.input_stall, th, f"host-to-device copies stall the device {ms:.2f} ms per step")
+    return flag_or_pass(f, th.input_stall, th, f"host-to-device copies stall the device {ms:.2f} ms per step", ctx)
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:

@@ -202,7 +202,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                "device queue: from the device's last activity before the call returned to its next activity.")
     reason = (f"{metrics['sync_calls_per_step']:g} synchronising call(s) per step leave the device idle "
               f"{ms:.2f} ms per step ({share:.1%}); main cause: {max(by_cause, key=by_cause.get)}")
-    check = flag_or_pass(f, th.host_sync, th, reason)
+    check = flag_or_pass(f, th.host_sync, th, reason, ctx)
     if check.status != "flagged":
         check = replace(check, reason=f"{check.reason}; {metrics['sync_calls_per_step']:g} sync call(s) per step, "
                         f"main cause {max(by_cause, key=by_cause.get)}", finding=f)

@@ -198,7 +198,7 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
     reason = f"the device waits {ms:.1f} ms per step ({share:.0%}) for the host to launch work: {split}"
     if long_ms > 0 and top_ops:
         reason += f"; host ops behind the long gaps: {', '.join(top_ops)}"
-    check = flag_or_pass(f, th.launch_overhead, th, reason)
+    check = flag_or_pass(f, th.launch_overhead, th, reason, ctx)
     if host_ahead and check.status == "flagged":
         check = replace(check, reason=check.reason + f"; but the host runs ahead (median launch delay "
                         f"{delay / 1000:.1f} ms) and queued idle is larger ({queued_ms:.1f} ms): see device_wait")

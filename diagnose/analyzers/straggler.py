@@ -7,9 +7,10 @@ the collectives.
 
 Being last is evidence only beyond chance: with n ranks, jitter alone makes each rank last
 at about 1/n of the collectives and late by nothing on average. The named rank is a
-straggler when either of two one-sided tests finds its record unlikely under jitter
-(each at Thresholds.straggler_alpha / 2, so both together at about alpha), in the
-profiled steps or in the probes' every-step record:
+straggler when one of the one-sided tests below finds its record unlikely under jitter, in
+the profiled steps or in the probes' every-step record; each test at Thresholds.straggler_alpha
+divided by the number of tests run (Bonferroni: two to four tests, together at most alpha, so a
+healthy job is called a straggler in at most 1 of 20 runs by jitter alone):
 - last more often than 1/n (binomial): strong with many ranks or many collectives;
 - its arrival minus the latest other rank's is positive on average (Student's t):
   strong with few collectives when the lateness is steady (4 of 4 collectives late by
@@ -17,10 +18,15 @@ profiled steps or in the probes' every-step record:
 Otherwise the waiting is arrival jitter, and the check passes saying so (and how much: no
 other check books a wait for a late peer).
 
-Estimation: the median, over the other ranks, of the per-step time they spend
-waiting for the last rank alone (after the second-latest arrived): had the late
-rank arrived with the rest, each collective, and so the step, would end that much
-sooner.
+Named and sized by effect, where the step graph's replay reproduces the steps
+(diagnose/whatif.py): each rank's effect is what the replay gives back when that rank's work
+between collectives is brought to the median rank's. The ranks whose effect reaches the
+threshold are named (largest first); the chance tests above guard them against jitter, they do
+not decide alone. With no rank's effect that large, the rank most often last is tested as
+before and its effect decides. The size flagged is the named ranks' effect together.
+The check's own estimate, kept as the metric `wait_imposed_ms_per_step` (and the finding's
+figure where there is no faithful replay): the median, over the other ranks, of the per-step
+time they spend waiting for the last rank alone (after the second-latest arrived).
 
 Why the rank is late: its step breakdown against the median of the others (compute, the
 DataLoader, host gaps or device idle, its own communication: the largest excess is named),
@@ -30,7 +36,7 @@ over the same steps: "aten::mm +111.0 ms/step (+8 calls)".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -55,6 +61,9 @@ FIX = ("Find what makes the named rank(s) late: compare their step breakdown wit
 TOP_OPS = 200  # per rank: enough to diff any op that matters, small enough to ship from a worker
 SOURCES = {"compute_ms": "compute", "dataloader_ms": "the DataLoader", "other_ms": "host gaps or device idle",
            "exposed_comm_ms": "its own communication"}
+IDLE_SOURCES = {"launch": "the device waiting for host launches", "sync": "host sync drains",
+                "queued": "work queued behind other streams", "input": "blocking input copies",
+                "unattributed": "unattributed device idle", "latency": "scheduling latency"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,15 +106,25 @@ def _short(name: str) -> str:
     return n[:80]
 
 
-def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str]:
+def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str, str]:
     """(largest source of the rank's excess, excess per breakdown component in ms per step, the ops
-    it spends more time in than the median other rank)."""
+    it spends more time in than the median other rank, and on GPU ranks late from device idle the
+    idle class it has most more of, as ", mostly ...")."""
     means = ctx.table.groupby("rank")[list(SOURCES)].mean()
     if rank not in means.index or len(means) < 2:
-        return None, {}, ""
+        return None, {}, "", ""
     excess = (means.loc[rank] - means.drop(index=rank).median()).to_dict()
     top = max(excess, key=excess.get)
     source = SOURCES[top] if excess[top] > 0 else None
+    detail = ""
+    if top == "other_ms" and source and "other_by_cause_ms" in ctx.table:
+        # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes)
+        by = pd.DataFrame(list(ctx.table["other_by_cause_ms"]), index=ctx.table["rank"]).fillna(0.0)
+        if not by.empty and rank in by.index:
+            m = by.groupby(level=0).mean()
+            cls = (m.loc[rank] - m.drop(index=rank).median()).sort_values(ascending=False)
+            if len(cls) and cls.iloc[0] > 0 and cls.index[0] in IDLE_SOURCES:
+                detail = f", mostly {IDLE_SOURCES[cls.index[0]]} (+{cls.iloc[0]:.1f} ms)"
     ops = ""
     try:
         facts = ctx.facts(ID)
@@ -123,7 +142,7 @@ def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str
         top_ops = d_ms[d_ms >= MIN_OP_EXCESS_MS].nlargest(3)
         ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
                                                              else "") for n, v in top_ops.items())
-    return source, {k: round(float(v), 3) for k, v in excess.items()}, ops
+    return source, {k: round(float(v), 3) for k, v in excess.items()}, ops, detail
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -214,26 +233,44 @@ class LateRank:
     metrics: dict[str, float | int]
     every_agree: float | None
     """Share of the every-step collectives at which a named rank came last (None: no record)."""
+    tests: int = 2
+    """How many tests p_value is the smallest of."""
 
     def beyond_chance(self, th: Thresholds) -> bool:
         """A straggler, not jitter. With under 2 collectives neither test can tell: still named
         (at low confidence), since one step's late arrival is all the evidence there is."""
-        return self.units < 2 or self.p_value <= th.straggler_alpha / 2
+        return self.units < 2 or self.p_value <= th.straggler_alpha / max(self.tests, 1)
 
 
-def late_rank(ctx: Context, th: Thresholds) -> LateRank | None:
-    """The rank most often last at the matched collectives (None: nothing to match)."""
+MAX_EFFECT_RANKS = 64  # one replay per rank: beyond this, ranks are named by how often they are last
+
+
+def effects(ctx: Context) -> dict[int, float] | None:
+    """Per rank, ms per step the replay gives back with that rank brought to the median rank
+    (None: no faithful step model, or too many ranks to replay one by one)."""
+    m = ctx.model
+    if m is None or not m.trusted or len(ctx.run.ranks) > MAX_EFFECT_RANKS:
+        return None
+    return {r: m.saving(ID, (r,)) or 0.0 for r in ctx.run.ranks}
+
+
+def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) -> LateRank | None:
+    """The ranks named (by_effect, else the rank most often last at the matched collectives) and
+    the chance tests on them (None: nothing to match)."""
     pc = ctx.matched.per_collective
     if len(ctx.run.ranks) < 2 or pc.empty:
         return None
     n = len(pc)
     last_share = pc.groupby("last_rank").size() / n
-    named = [int(r) for r in last_share[last_share >= th.straggler_consistency].index] or [int(last_share.idxmax())]
+    named = by_effect or [int(r) for r in last_share[last_share >= th.straggler_consistency].index] or \
+        [int(last_share.idxmax())]
     chance = 1.0 / max(float(pc["n_ranks"].median()), 2.0)
     p_last = binom_sf(int(pc["last_rank"].isin(named).sum()), n, min(1.0, chance * len(named)))
     pr = ctx.matched.per_rank
     p_late = mean_positive_p(_excess(pr, ["step", "pg", "seq"], named[0])) if len(named) == 1 else 1.0
     p_value, units, agree = min(p_last, p_late), n, None
+    single = len(named) == 1
+    tests = 1 + single  # binomial; t-test on a single rank's lateness
     metrics: dict[str, float | int] = {"chance_last_share": round(chance, 3),
                                        "p_last_more_than_chance": round(p_last, 4),
                                        "p_late_on_average": round(p_late, 4)}
@@ -252,16 +289,25 @@ def late_rank(ctx: Context, th: Thresholds) -> LateRank | None:
             p_every = min(p_every, mean_positive_p(_excess(every, key, named[0])))
         metrics["every_step_p_value"] = round(p_every, 4)
         p_value, units = min(p_value, p_every), max(units, len(last))
+        tests += 1 + single
     return LateRank(named=tuple(named), last_share={int(r): float(v) for r, v in last_share.items()},
                     consistent=float(last_share.reindex(named).fillna(0).max()), chance=chance, p_value=p_value,
-                    units=units, metrics=metrics, every_agree=agree)
+                    units=units, metrics=metrics, every_agree=agree, tests=tests)
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     run = ctx.run
     if len(run.ranks) < 2:
         return [not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: lateness needs at least two ranks")]
-    late = late_rank(ctx, th)
+    effect = effects(ctx)
+    step_ms = ctx.mean_step_ms
+    by_effect = None
+    if effect is not None:
+        big = [r for r, v in sorted(effect.items(), key=lambda kv: -kv[1])
+               if v >= th.healthy_floor_ms and v / step_ms >= th.straggler]
+        # stragglers are the few the rest wait for: fewer than half the ranks (the largest first)
+        by_effect = big[:max(1, (len(effect) - 1) // 2)] or None
+    late = late_rank(ctx, th, by_effect)
     if late is None:
         return [not_measurable(ID, TITLE, "no collectives could be matched across ranks")]
     pc, pr = ctx.matched.per_collective, ctx.matched.per_rank
@@ -284,7 +330,11 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         metrics[f"rank{int(r)}_mean_lateness_ms"] = round(float(lateness_ms[r]), 3)
     if mismatched:
         metrics["collectives_with_mismatched_names"] = mismatched
+    if effect is not None:
+        for r in sorted(effect):
+            metrics[f"rank{r}_effect_ms"] = round(effect[r], 3)
     metrics.update(late.metrics)
+    metrics["p_threshold_per_test"] = round(th.straggler_alpha / max(late.tests, 1), 4)
     base = "high" if consistent >= 0.8 else "medium" if consistent >= th.straggler_consistency else "low"
     # hundreds of steps agreeing with the profiled window make the verdict firm
     if late.every_agree is not None and late.every_agree >= 0.8 and metrics.get("every_step_collectives", 0) >= 10:
@@ -299,14 +349,17 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     refs = tuple(ctx.event_ref(int(r.rank), int(r.row), f"arrived {r.lateness / 1000:.2f} ms after the median rank")
                  for r in rows.itertuples())
     names = ", ".join(map(str, named))
+    size = (ctx.model.saving(ID, tuple(named)) or 0.0) if effect is not None and ctx.model else None
     reason = (f"rank {names} is last to arrive at {consistent:.0%} of {n} collectives; the others wait "
               f"{ms:.1f} ms per step for it")
+    if size is not None:
+        reason += f", and bringing it to the median rank gives back {size:.1f} ms per step (replayed)"
     if len(named) == 1:
-        source, excess, ops = why_late(ctx, named[0])
+        source, excess, ops, detail = why_late(ctx, named[0])
         if source:
-            metrics["late_from"] = source
+            metrics["late_from"] = source + detail
             key = next(k for k, v in SOURCES.items() if v == source)
-            reason += f"; it is late from {source} (+{excess[key]:.1f} ms per step against the median rank)"
+            reason += f"; it is late from {source} (+{excess[key]:.1f} ms per step against the median rank){detail}"
         for k, v in excess.items():
             metrics[f"late_rank_extra_{k}"] = v
         if ops:
@@ -321,7 +374,15 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         # measured 0: the waiting is the communication check's, counted there once
         return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
                       reason=f"no rank is late more than chance: rank {names} is last at {consistent:.0%} of {n} "
-                             f"collectives against {late.chance:.0%} by chance (p={late.p_value:.2f}); the "
+                             f"collectives against {late.chance:.0%} by chance (p={late.p_value:.3f}, above "
+                             f"{th.straggler_alpha / max(late.tests, 1):.4g} for each of {late.tests} tests); the "
                              f"{ms:.1f} ms per step of waiting is arrival jitter: no single rank to fix, and "
                              "not booked as exposed communication either")]
-    return [flag_or_pass(f, th.straggler, th, reason)]
+    if size is None:
+        return [flag_or_pass(f, th.straggler, th, reason)]
+    # decided by its effect; the finding keeps its own estimate, which the replay then replaces
+    c = flag_or_pass(replace(f, recoverable_ms=round(size, 3), share_of_step=round(size / step_ms, 4)),
+                     th.straggler, th, reason)
+    if c.finding is None:  # below the threshold: still say who is late, by how much, and why
+        return [replace(c, reason=f"{reason}: {c.reason}")]
+    return [replace(c, finding=f)]

@@ -383,22 +383,49 @@ class CriticalPath:
     steps: int
 
 
+def _chain(g: StepGraph, rep: Replay, s: int):
+    """The critical path of step s, from its end back to its start: (node, predecessor, category)."""
+    ends = np.flatnonzero((g.kind == STEP_END) & (g.step == s))
+    starts = np.flatnonzero((g.kind == STEP_START) & (g.step == s))
+    if not ends.size or not starts.size:
+        return None, []
+    floor = rep.time[starts].min()
+    v = int(ends[np.argmax(rep.time[ends])])
+    out = []
+    while v >= 0 and rep.time[v] > floor:
+        p = int(rep.via[v])
+        if p < 0:
+            break
+        out.append((v, p, int(rep.via_cat[v])))
+        v = p
+    return floor, out
+
+
+def critical_segments(g: StepGraph, rep: Replay, s: int) -> list[tuple[float, float, int, str]]:
+    """Step s's critical path as drawn over the timeline: (start us, end us, rank, what) per edge,
+    in time order; `what` is a lane's largest part or "communication"."""
+    floor, chain = _chain(g, rep, s)
+    out = []
+    for v, p, cat in chain:
+        a, b = max(rep.time[p], floor), rep.time[v]
+        if b <= a:
+            continue
+        what = PARTS[int(np.argmax(g.lane_parts[v]))] if cat == LANE and g.lane_parts[v].sum() > 0 else \
+            "communication" if cat != LANE else "compute"
+        out.append((float(a), float(b), int(g.rank[v]), what))
+    return out[::-1]
+
+
 def critical_path(g: StepGraph, rep: Replay) -> CriticalPath:
     by_part = np.zeros(len(PARTS) + 1)
     by_rank: dict[int, float] = {}
     steps = sorted(set(g.step[g.kind == STEP_END].tolist()))
     done = 0
     for s in steps:
-        ends = np.flatnonzero((g.kind == STEP_END) & (g.step == s))
-        starts = np.flatnonzero((g.kind == STEP_START) & (g.step == s))
-        if not ends.size or not starts.size:
+        floor, chain = _chain(g, rep, s)
+        if floor is None:
             continue
-        floor = rep.time[starts].min()
-        v = int(ends[np.argmax(rep.time[ends])])
-        while v >= 0 and rep.time[v] > floor:
-            p, cat = int(rep.via[v]), rep.via_cat[v]
-            if p < 0:
-                break
+        for v, p, cat in chain:
             dt = rep.time[v] - max(rep.time[p], floor)
             if cat == LANE:
                 parts = g.lane_parts[v]
@@ -408,7 +435,6 @@ def critical_path(g: StepGraph, rep: Replay) -> CriticalPath:
                 by_rank[int(g.rank[v])] = by_rank.get(int(g.rank[v]), 0.0) + dt
             else:
                 by_part[len(PARTS)] += dt
-            v = p
         done += 1
     n = max(done, 1)
     names = PARTS + ("communication",)

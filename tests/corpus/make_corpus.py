@@ -16,6 +16,7 @@ and documented in docs/bad-input.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import json
 import os
@@ -103,9 +104,23 @@ def shifted(doc: dict, dt: float) -> dict:
 _PAIR_RAW: dict[Path, list[tuple[str, bytes]]] = {}
 
 
+_PAIR_DOCS: dict[Path, list[tuple[str, dict]]] = {}
+
+
 def pair_docs(pair: Path) -> list[tuple[str, dict]]:
-    """Fresh copies of the pair's two documents (read once, parsed per case)."""
-    return [(name, orjson.loads(raw)) for name, raw in pair_raw(pair)]
+    """Fresh copies of the pair's two documents (parsed once: parsing per case was most of the
+    corpus's build time). Cases change events and their args in place, never deeper: events and
+    the values inside them are copied, the args' own values are shared."""
+    if pair not in _PAIR_DOCS:
+        _PAIR_DOCS[pair] = [(name, orjson.loads(raw)) for name, raw in pair_raw(pair)]
+    return [(name, _copy_doc(doc)) for name, doc in _PAIR_DOCS[pair]]
+
+
+def _copy_doc(doc: dict) -> dict:
+    out = {k: copy.deepcopy(v) for k, v in doc.items() if k != "traceEvents"}
+    out["traceEvents"] = [{k: (v.copy() if isinstance(v, (dict, list)) else v) for k, v in e.items()}
+                          if isinstance(e, dict) else copy.deepcopy(e) for e in doc.get("traceEvents", [])]
+    return out
 
 
 def pair_raw(pair: Path) -> list[tuple[str, bytes]]:

@@ -1,0 +1,65 @@
+"""`diagnose watch` on recorded light-mode step logs (no job needed)."""
+from __future__ import annotations
+
+import json
+
+from diagnose.live import render, snapshot
+
+
+def _write(d, now, late_s=0.030, steps=30, step_s=0.2):
+    for r, late in ((0, 0.0), (1, late_s)):
+        rows = [{"step": s, "start": now + s * step_s, "dur_ms": step_s * 1000, "dataloader_ms": 1.0, "comm_ms": 35.0,
+                 "collectives": [["ddp_bucket_allreduce", 150.0 + late * 1000, 30.0, 4096, "default"]]}
+                for s in range(1, steps)]
+        (d / f"rank{r}.steps.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+
+
+def test_ranks_in_step_show_no_slowest_rank_but_the_late_one(tmp_path):
+    now = 1_000_000.0
+    _write(tmp_path, now)
+    text = render(snapshot(tmp_path, window=20, now=now + 30 * 0.2 + 1))
+    assert "slowest rank" not in text and "all ranks at step 29" in text
+    assert "<- late at collectives" in text and "straggler: rank 1" in text
+
+
+def test_a_job_that_stopped_is_said_to_have_stopped(tmp_path):
+    now = 1_000_000.0
+    _write(tmp_path, now)
+    view = snapshot(tmp_path, window=20, now=now + 30 * 0.2 + 45)
+    assert view.quiet_s > 40
+    assert view.suspicion.startswith("no rank has finished a step for 4")
+    assert "stopped or is stuck" in render(view)
+    assert "over its last steps: straggler: rank 1" in view.suspicion  # what its last steps showed
+    # a few seconds of quiet in a 200 ms-step job is not a stop
+    assert "stopped" not in snapshot(tmp_path, window=20, now=now + 30 * 0.2 + 3).suspicion
+
+
+def test_capture_on_a_job_whose_logs_went_stale_returns_at_once(tmp_path):
+    import time
+
+    from click.testing import CliRunner
+
+    from diagnose.cli import main
+
+    _write(tmp_path, time.time() - 600)  # no lock file (a probes.watch() run), last step 10 min ago
+    t = time.monotonic()
+    res = CliRunner().invoke(main, ["capture", str(tmp_path), "--steps", "3", "--timeout", "120"])
+    assert time.monotonic() - t < 10
+    import re
+
+    m = re.search(r"no rank has finished a step for (\d+) s", res.output)
+    assert res.exit_code == 2 and m and int(m.group(1)) >= 590, res.output
+    assert not (tmp_path / "capture.json").exists()  # nothing was asked of a job that is gone
+
+
+def test_hang_on_step_logs_that_still_move_says_not_stuck(tmp_path):
+    import time
+
+    from click.testing import CliRunner
+
+    from diagnose.cli import main
+
+    _write(tmp_path, time.time() - 30 * 0.2)  # the last steps finished just now
+    res = CliRunner().invoke(main, ["hang", str(tmp_path), "--timeout", "20"])
+    assert res.exit_code == 0 and res.output.startswith("NOT STUCK: every rank finished a step"), res.output
+    assert not list(tmp_path.glob("hang*"))
