@@ -91,14 +91,15 @@ class HtaOptions:
 
 
 def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
-                    echo: bool = True, hta: HtaOptions | None = None) -> None:
+                    echo: bool = True, hta: HtaOptions | None = None, probe_paths: list[str] | None = None) -> None:
     """The shared tail of every diagnosing command; raises DiagnoseError on bad input."""
     from diagnose.output import terminal_summary, write_json
     from diagnose.pipeline import diagnose_paths
 
     progress = ProgressLine() if echo and sys.stderr.isatty() else None
     try:
-        d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs, progress=progress)
+        d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs, progress=progress,
+                           probe_paths=probe_paths)
     finally:
         if progress is not None:
             progress.close()
@@ -214,7 +215,8 @@ def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> No
     if not res.done:
         fail(f"{res.directory}: no rank recorded the capture")
     try:
-        analyze_outputs([str(res.directory)], out or res.directory)
+        # the run's sidecars and step logs (model, optimizer, checkpoints, every step) sit one level up
+        analyze_outputs([str(res.directory)], out or res.directory, probe_paths=[str(res.directory), str(pdir)])
     except DiagnoseError as exc:
         fail(str(exc))
 

@@ -182,9 +182,12 @@ def _lateness_extra(ctx: Context) -> dict:
 
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
-                   jobs: int | None = None, progress: Progress | None = None) -> Diagnosis:
+                   jobs: int | None = None, progress: Progress | None = None,
+                   probe_paths: list[str | Path] | None = None) -> Diagnosis:
+    """probe_paths: where the probes' sidecars and step logs are, when not beside the traces (a
+    capture's traces sit in a subdirectory of the run's probe directory)."""
     run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress)
-    probes = load_probe_data(paths)
+    probes = load_probe_data(paths if probe_paths is None else probe_paths)
     for p in probes.values():
         run.warnings.extend(p.warnings)
     return diagnose_run(run, th, probes)

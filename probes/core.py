@@ -265,6 +265,9 @@ class Probe:
         self.step += 1
         if self.step == 1:
             self._start_hang_watch()
+            # the model and optimizer are known after the first step: a capture or an analysis
+            # of a run still going reads them from here (the final sidecar adds the summary)
+            self.write_sidecar()
         self._poll_capture()
         self._dl_ms = 0.0
         self._comm_ms = 0.0

@@ -63,7 +63,10 @@ def test_capture_a_running_job(tmp_path):
         d = json.loads((cap / "diagnosis.json").read_text())
         assert d["findings"][0]["id"] == "straggler" and d["findings"][0]["ranks"] == [1]
         s0, s1 = (profiler_steps(cap / f"rank{r}.pt.trace.json.gz") for r in (0, 1))
-        assert s0 == s1 and len(s0) == 4
+        assert s0 == s1 and len(s0) == 4 and d["run"]["steps_analysed"] == 4
+        # the run's own sidecars are read beside the capture: no check asks for `diagnose run`
+        said = {c["id"]: c["reason"] for c in d["checks"]}
+        assert not any("run under `diagnose run`" in r for r in said.values()), said
     finally:
         out, err = job.communicate(timeout=240)
     assert job.returncode == 0, err[-3000:]
