@@ -19,7 +19,7 @@ def _diff_side(side: dict) -> str:
                    f'<td class=num>{fmt_share(f.get("share_of_step"))}</td><td>{_severity(f.get("severity"))}</td></tr>'
                    for f in findings)
     table = (f'<table class="causes"><thead><tr><th>Cause</th><th class=num>Recoverable / step</th>'
-             f'<th class=num>Share</th><th>Severity</th></tr></thead><tbody>{rows}</tbody></table>'
+             f'<th class=num>Share</th><th>Impact</th></tr></thead><tbody>{rows}</tbody></table>'
              if rows else '<p class="muted">No cause was flagged.</p>')
     ranks = _list(run.get("ranks_found"))
     device = esc(run.get("device")) + (f" ({esc(run.get('device_name'))})" if run.get("device_name") else "")

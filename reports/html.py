@@ -60,7 +60,7 @@ def _causes_table(findings: list) -> str:
     if not findings:
         return '<p class="muted">No cause was flagged.</p>'
     head = ("<tr><th>#</th><th>Cause</th><th class=num>Est. recoverable<br>per step</th>"
-            "<th class=num>Share<br>of step</th><th>Ranks</th><th>Confidence</th><th>Severity</th><th>Fix</th></tr>")
+            "<th class=num>Share<br>of step</th><th>Ranks</th><th>Confidence</th><th>Impact</th><th>Fix</th></tr>")
     rows = []
     for i, f in enumerate(map(_dict, findings), 1):
         rows.append(f'<tr><td>{i}</td><td><a href="#finding-{i}">{esc(f.get("title"))}</a></td>'
@@ -72,9 +72,11 @@ def _causes_table(findings: list) -> str:
 
 
 def _severity(sev) -> str:
-    """A text badge (HIGH/MEDIUM/LOW); the styles differ in border too, not only colour."""
+    """A text badge (HIGH IMPACT / MEDIUM IMPACT / LOW IMPACT: severity is the share of the step at
+    stake, not how sure the tool is, which the confidence says in the same words); the styles differ
+    in border too, not only colour."""
     sev = "" if sev is None else str(sev)
-    return f'<span class="sev sev-{esc(sev)}">{esc(sev.upper())}</span>'
+    return f'<span class="sev sev-{esc(sev)}">{esc(sev.upper())} IMPACT</span>' if sev else ""
 
 
 def _checklist(checks: list, findings: list) -> str:

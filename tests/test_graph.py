@@ -180,6 +180,11 @@ def test_findings_carry_the_replayed_figure_and_keep_their_own(tmp_path):
     # CPU traces have no device idle classes: the per-op launch overhead is not modelled and stands
     lo = f["launch_overhead"]
     assert "own_estimate_ms" not in lo.metrics and "replay_recoverable_ms" not in lo.metrics
+    # a count of ops reads as a whole number (it was "over 382.0 ops")
+    import re
+
+    reason = next(c.reason for c in d.checks if c.id == "launch_overhead")
+    assert re.search(r" over \d+ ops: ", reason), reason
 
 
 def test_an_unfaithful_replay_leaves_the_own_estimates(tmp_path, monkeypatch):

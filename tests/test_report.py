@@ -276,3 +276,13 @@ def test_critical_path_strip_tiles_the_step_and_runs_through_the_late_rank():
     assert strip[-1][0] + strip[-1][1] == pytest.approx(end, abs=2e-3)
     page = render(d)
     assert '"critical path"' in page
+
+
+def test_severity_badge_is_not_confused_with_confidence():
+    """Severity (share of the step at stake) and confidence shared the words high/low: a "LOW"
+    badge beside "confidence high". The badge now says IMPACT."""
+    d = diagnosis_json("hta_nccl_data_rank0of2_a100")
+    page = render(d)
+    sev = d["findings"][0]["severity"]
+    assert f'<span class="sev sev-{sev}">{sev.upper()} IMPACT</span>' in page
+    assert "<th>Impact</th>" in page and "<th>Severity</th>" not in page

@@ -262,7 +262,7 @@ def _cpu(ctx: Context, th: Thresholds) -> Check:
         method="Median over ranks of the per-step sum, over ops, of each op's self time up to that op's fixed "
                "cost (its fastest instance's self time): the cost a larger micro-batch amortises.")
     return flag_or_pass(f, th.cpu_op_overhead, th, f"per-op overhead is {ms:.1f} ms per step ({share:.0%}) over "
-                        f"{metrics['ops_per_step']} ops: the micro-batch is too small to amortise it")
+                        f"{metrics['ops_per_step']:.0f} ops: the micro-batch is too small to amortise it")
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
