@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diagnose.errors import one_line
-from diagnose.oncall import live_tails
+from diagnose.oncall import live_tails, progress
 from diagnose.probedata import every_step_lateness, probe_from_rows
 from diagnose.thresholds import DEFAULT, Thresholds
 
@@ -94,8 +94,9 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
         suspects.append((comm, f"communication: collectives take {comm / step_ms:.0%} of each step"))
     suspicion = max(suspects)[1] if suspects else "nothing stands out"
     suspicion = f"{suspicion} (provisional: timings of the last {window} steps, no trace)"
-    quiet = min(x.age_s for x in ranks)
-    if quiet > max(STALE_MIN_S, STALE_STEPS * step_ms / 1000):
+    moving = progress(tails, now, min_s=STALE_MIN_S, steps=STALE_STEPS)
+    quiet = min(moving.ages.values())
+    if len(moving.quiet) == len(moving.ages):
         suspicion = (f"no rank has finished a step for {quiet:.0f} s: the job has stopped or is stuck "
                      f"(`diagnose hang` tells which); over its last steps: {suspicion}")
     return LiveView(tuple(ranks), slowest.rank, furthest - slowest.step, late_rank, late_ms, suspicion, window,

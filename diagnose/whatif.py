@@ -29,7 +29,7 @@ GPU-only edits change nothing there) is not modelled: the check's own figure sta
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -104,6 +104,9 @@ class StepModel:
     fidelity: float
     """Largest relative error of the unedited replay against the measured steps."""
     steps: int
+    _savings: dict = field(default_factory=dict, compare=False, repr=False)
+    """saving() by (cause, ranks): the checks, the straggler's per-rank effects and annotate ask
+    the same questions, and each answer is a replay."""
 
     @property
     def trusted(self) -> bool:
@@ -123,10 +126,12 @@ class StepModel:
 
     def saving(self, cause: str, ranks: tuple[int, ...] = ()) -> float | None:
         """Mean ms per step the replay gives back with the cause removed (None: not modelled)."""
-        e = self.edit(cause, ranks)
-        if e is None:
-            return None
-        return max(self.base.mean_step_ms - sg.replay(self.graph, *e).mean_step_ms, 0.0)
+        key = (cause, tuple(sorted(ranks)))
+        if key not in self._savings:
+            e = self.edit(cause, ranks)
+            self._savings[key] = None if e is None else \
+                max(self.base.mean_step_ms - sg.replay(self.graph, *e).mean_step_ms, 0.0)
+        return self._savings[key]
 
     def without(self, causes: dict[str, tuple[int, ...]]) -> float:
         """Replayed mean step (ms) with all these causes removed together."""
