@@ -20,7 +20,7 @@ import click
 from diagnose import __version__
 from diagnose.model import CHECK_ORDER, Diagnosis
 
-DIFF_VERSION = "1.0"
+DIFF_VERSION = "1.1"  # 1.1: "prediction" (the before run's predicted saving against the measured one)
 COMPONENTS = ("compute_ms", "exposed_comm_ms", "straggler_wait_ms", "dataloader_ms", "other_ms")
 # The breakdown component each check's cause lands in; measured on both sides even when a
 # check passes, so a cause that disappeared still has an "after" number.
@@ -115,6 +115,31 @@ def _comparability(before: Diagnosis, after: Diagnosis) -> list[str]:
     return notes
 
 
+def _prediction(before: Diagnosis, causes: list[dict], measured_ms: float | None) -> dict | None:
+    """What the BEFORE run predicted the fix would give back, against what the step time gave.
+
+    The fixed causes are those gone or reduced. One cause: its replayed recoverable time. All the
+    flagged causes: the before run's combined what-if (not the sum: removing one wait can expose
+    another). Some of several: the sum of their single what-ifs, an upper bound, and said so."""
+    fixed = {c["id"]: c["before_ms"] - (c["after_ms"] or 0.0) for c in causes
+             if c["before_ms"] is not None and (c["change"] == "gone" or (c["change"] == "changed"
+                                                                         and c["after_ms"] < c["before_ms"]))}
+    if not fixed or measured_ms is None:
+        return None
+    combined = (before.extras.get("replay") or {}).get("combined_what_if_ms")
+    every = {f.id for f in before.findings}
+    if len(fixed) > 1 and set(fixed) == every and combined is not None and all(
+            c["change"] == "gone" for c in causes if c["id"] in fixed):
+        predicted, how = float(combined), "every flagged cause removed together, replayed"
+    else:
+        predicted = sum(fixed.values())
+        how = ("the cause's replayed recoverable time" if len(fixed) == 1 else
+               "the sum of each cause's own what-if (an upper bound: causes overlap)")
+    return {"causes": sorted(fixed, key=lambda i: -fixed[i]), "predicted_saving_ms": round(predicted, 3),
+            "measured_saving_ms": round(measured_ms, 3), "method": how,
+            "error": round((predicted - measured_ms) / measured_ms, 4) if measured_ms > 0 else None}
+
+
 def diff_diagnoses(before: Diagnosis, after: Diagnosis, *, before_label: str = "before",
                    after_label: str = "after", before_path: str = "", after_path: str = "") -> dict:
     """The diff as a plain JSON-able dict (see the module docstring and README for the fields)."""
@@ -136,6 +161,7 @@ def diff_diagnoses(before: Diagnosis, after: Diagnosis, *, before_label: str = "
         "findings_changed": [c["id"] for c in causes if c["change"] == "changed"],
         "findings_unchanged": [c["id"] for c in causes if c["change"] == "unchanged"],
         "comparability": _comparability(before, after),
+        "prediction": _prediction(before, causes, bs - as_ if bs is not None and as_ is not None else None),
     }
 
 
@@ -174,6 +200,12 @@ def diff_summary(diff: dict) -> str:
     new = [f"{i} ({_ms(causes[i]['after_ms'])}/step{_comp(causes[i])})" for i in diff.get("findings_appeared", [])]
     changed = [f"{i} {_ms(causes[i]['before_ms'])} -> {_ms(causes[i]['after_ms'])}/step"
                for i in diff.get("findings_changed", [])]
+    pr = diff.get("prediction")
+    if isinstance(pr, dict):
+        err = pr.get("error")
+        lines.append(f"PREDICTED vs MEASURED: fixing {', '.join(map(_printable, pr.get('causes', [])))} was predicted "
+                     f"to give back {_ms(pr.get('predicted_saving_ms'))}/step; the step got "
+                     f"{_ms(pr.get('measured_saving_ms'))} shorter" + (f" ({err:+.0%})" if err is not None else ""))
     lines.append("findings gone: " + (", ".join(gone) or "none"))
     lines.append("findings appeared: " + (", ".join(new) or "none"))
     lines.append("findings changed: " + (", ".join(changed) or "none"))

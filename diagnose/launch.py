@@ -63,6 +63,35 @@ def probe_env(traces: Path, schedule: str, base: dict | None = None, flight_reco
     if flight_recorder:
         for k, v in FLIGHT_RECORDER_ENV.items():  # a job's own settings win
             env.setdefault(k, v)
+    # kineto prints "USDT: ... profiler_start" / "profiler_stop" for every profiled window: noise
+    # the probes cause. Its only level above them is "nothing", which hides its errors too (a job
+    # that sets KINETO_LOG_LEVEL keeps its choice; 4 shows errors and those lines again).
+    env.setdefault("KINETO_LOG_LEVEL", "6")
+    return env
+
+
+def quiet_launcher(command: list[str], env: dict) -> dict:
+    """torchrun prints a four-line banner when it sets OMP_NUM_THREADS=1 for more than one process
+    per node; setting that same value first gives the job the same setting without the banner.
+    Only where torchrun itself would have set it (the user's choice, if any, stands)."""
+    if "OMP_NUM_THREADS" in env or not command:
+        return env
+    head = Path(command[0]).name
+    is_torchrun = head == "torchrun" or any(
+        a in ("torch.distributed.run", "torch.distributed.launch") and i > 0 and command[i - 1] == "-m"
+        for i, a in enumerate(command[:4]))
+    if not is_torchrun:
+        return env
+    nproc = None
+    script = next((i for i, a in enumerate(command) if a.endswith(".py")), len(command))
+    for i, a in enumerate(command[:script]):  # torchrun's own options, not the script's
+        for flag in ("--nproc_per_node", "--nproc-per-node"):
+            if a == flag and i + 1 < script:
+                nproc = command[i + 1]
+            elif a.startswith(flag + "="):
+                nproc = a.split("=", 1)[1]
+    if nproc is not None and nproc.isdigit() and int(nproc) > 1:
+        return {**env, "OMP_NUM_THREADS": "1"}
     return env
 
 
@@ -200,7 +229,7 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
         if shared:
             click.echo(f"diagnose: warning: {one_line(shared)}", err=True)
         traces = run_dir / TRACES
-        env = probe_env(traces, schedule, flight_recorder=flight_recorder)
+        env = quiet_launcher(command, probe_env(traces, schedule, flight_recorder=flight_recorder))
         # the job's leader shares the lock: the run stays "live" for `watch`/`capture`/`hang`
         # as long as the job does, even if this launcher is killed
         code = run_job(command, env, quiet_job, pass_fds=(lock.fd,))

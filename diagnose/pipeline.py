@@ -86,7 +86,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
-    extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx)}
+    extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx), "top_ops": _top_ops_extra(ctx)}
     if ctx.model is not None:
         try:  # each cause's ms from the one model of the step: the replay with it removed
             named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
@@ -116,17 +116,31 @@ MAX_LANE_INTERVALS = 400
 
 
 def _timeline_extra(ctx: Context) -> dict:
-    """One representative step per rank as lanes of intervals (ms from the earliest rank's step
-    start, clocks aligned), for the report's mini timeline. The step is the one, among those every
-    shown rank profiled, whose duration on the lowest rank is the median."""
+    """Representative steps per rank as lanes of intervals (ms from the earliest rank's step start,
+    clocks aligned), for the report's mini timeline. Among the steps every shown rank profiled, by
+    their duration on the lowest rank: the median step (the top-level fields), and the slowest
+    and fastest (under "other_steps", when they are other steps), for the page's step selector."""
     run = ctx.run
     ranks = run.ranks[:MAX_TIMELINE_RANKS]
     common = set.intersection(*(set(run.timelines[r].steps["step"]) for r in ranks))
     if not common:
         return {}
     first = run.timelines[ranks[0]].steps
-    cand = first[first["step"].isin(common)].assign(d=lambda f: f["end"] - f["start"]).sort_values("d")
-    step = int(cand["step"].iloc[len(cand) // 2])
+    cand = first[first["step"].isin(common)].assign(d=lambda f: f["end"] - f["start"]).sort_values("d", kind="stable")
+    order = [int(x) for x in cand["step"]]
+    median = order[len(order) // 2]
+    out = _step_lanes(ctx, ranks, median)
+    others = {}
+    for label, step in (("slowest", order[-1]), ("fastest", order[0])):
+        if step != median and step not in [o["step"] for o in others.values()]:
+            others[label] = _step_lanes(ctx, ranks, step)
+    if others:
+        out["other_steps"] = others
+    return out
+
+
+def _step_lanes(ctx: Context, ranks: list[int], step: int) -> dict:
+    run = ctx.run
     rows = []
     for r in ranks:
         tl = run.timelines[r]
@@ -167,6 +181,33 @@ def _timeline_extra(ctx: Context) -> dict:
     return out
 
 
+TOP_OPS_SHOWN = 10
+
+
+def _top_ops_extra(ctx: Context) -> dict:
+    """Each rank's heaviest work, for the report's per-rank table: per name, ms per step (self
+    time of host ops on CPU ranks, kernel time on GPU ranks: where the step's time is spent),
+    calls per step, share of the rank's mean step. From the straggler check's per-rank summary
+    (the same figures its op diff compares), so nothing is measured twice."""
+    try:
+        facts = ctx.facts("straggler")
+    except RuntimeError:
+        return {}
+    steps = ctx.per_rank_mean("step_ms")
+    out = []
+    for r in ctx.run.ranks[:MAX_TIMELINE_RANKS]:
+        ops = getattr(facts.get(r), "ops", ())
+        step = float(steps.get(r, 0.0))
+        if not ops:
+            continue
+        out.append({"rank": r, "kind": "kernels" if ctx.run.timelines[r].is_gpu else "host ops (self time)",
+                    "step_ms": round(step, 3),
+                    "top": [{"name": n, "ms_per_step": round(ms, 4), "calls_per_step": round(calls, 2),
+                             "share_of_step": round(ms / step, 4) if step > 0 else None}
+                            for n, ms, calls in sorted(ops, key=lambda o: -o[1])[:TOP_OPS_SHOWN]]})
+    return {"ranks": out} if out else {}
+
+
 def _lateness_extra(ctx: Context) -> dict:
     """Rank x collective arrival lateness (ms) for the report's heatmap; capped in size."""
     pr = ctx.matched.per_rank
@@ -175,8 +216,12 @@ def _lateness_extra(ctx: Context) -> dict:
     pr = pr.sort_values(["step", "pg", "seq"])
     keys = pr[["step", "pg", "seq"]].drop_duplicates().head(200)
     sub = pr.merge(keys, on=["step", "pg", "seq"])
-    sub = sub.assign(col=sub["step"].astype(str) + ":" + sub["pg"].astype(str) + ":" + sub["seq"].astype(str))
-    mat = sub.pivot_table(index="rank", columns="col", values="lateness", sort=False) / 1000
+    # a column a reader can find in the trace: "step 4 · all_reduce #0", the group only when several
+    name = sub.groupby(["step", "pg", "seq"])["name"].transform("first").astype(str).str.rsplit(":", n=1).str[-1]
+    col = "step " + sub["step"].astype(str) + " · " + name + " #" + sub["seq"].astype(str)
+    if sub["pg"].nunique() > 1:
+        col = col + " (group " + sub["pg"].astype(str) + ")"
+    mat = sub.assign(col=col).pivot_table(index="rank", columns="col", values="lateness", sort=False) / 1000
     return {"ranks": [int(r) for r in mat.index], "collectives": [str(c) for c in mat.columns],
             "lateness_ms": np.round(mat.to_numpy(), 3).tolist()}
 

@@ -210,7 +210,7 @@ CRITICAL_ROW = "critical path"
 """The strip over the lanes: each stretch of the chain that set the step's end, by part."""
 
 
-def step_timeline(timeline: dict) -> go.Figure | None:
+def step_timeline(timeline: dict, which: str = "") -> go.Figure | None:
     """One step per rank on a shared, clock-aligned time axis: a mini Perfetto.
 
     Each rank gets one row per lane (host ops on the training thread, compute, communication,
@@ -265,7 +265,8 @@ def step_timeline(timeline: dict) -> go.Figure | None:
     fig.update_yaxes(categoryorder="array", categoryarray=order)
     height = max(200, min(1600, 90 + 18 * len(order)))
     step = timeline.get("step")
-    return _layout(fig, f"Timeline of step {step} on every rank (ms from the earliest rank's start; clocks aligned)",
+    which = f" ({which})" if which else ""
+    return _layout(fig, f"Timeline of step {step}{which} on every rank (ms from the earliest rank's start; clocks aligned)",
                    height=height, barmode="overlay")
 
 
@@ -301,13 +302,17 @@ def rank_bars(values: dict[int, float], flagged: list[int], title: str, unit: st
     ranks = sorted(values)
     hit = set(flagged or [])
     x = [f"rank {r}" + (" (flagged)" if r in hit else "") for r in ranks]
-    fig = go.Figure(go.Bar(
-        x=x, y=[values[r] for r in ranks], width=_bar_width(len(x)),
-        marker={"color": [FLAGGED_COLOUR if r in hit else OTHER_COLOUR for r in ranks],
-                "line": {"color": "#333", "width": 0.5},
-                "pattern": _pattern(["/" if r in hit else "" for r in ranks])},
-        hovertemplate=f"%{{x}}: %{{y:.3f}} {unit}<extra></extra>"))
-    return _layout(fig, title, showlegend=False, yaxis={"title": {"text": unit}})
+    fig = go.Figure()
+    # one trace per colour: a per-bar colour array under a hatch pattern is invalid to plotly
+    # (its overlay takes marker.color as one colour: a console warning, and black bars)
+    for flagged_side, colour, shape in ((False, OTHER_COLOUR, ""), (True, FLAGGED_COLOUR, "/")):
+        idx = [i for i, r in enumerate(ranks) if (r in hit) == flagged_side]
+        if idx:
+            fig.add_bar(x=[x[i] for i in idx], y=[values[ranks[i]] for i in idx], width=_bar_width(len(x)),
+                        marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                        hovertemplate=f"%{{x}}: %{{y:.3f}} {unit}<extra></extra>")
+    fig.update_xaxes(categoryorder="array", categoryarray=x)
+    return _layout(fig, title, showlegend=False, barmode="overlay", yaxis={"title": {"text": unit}})
 
 
 def lateness_heatmap(lateness: dict) -> go.Figure | None:
@@ -327,7 +332,7 @@ def lateness_heatmap(lateness: dict) -> go.Figure | None:
         texttemplate=None if big else "%{z:.2f}", xgap=1, ygap=1,
         hovertemplate="%{y}, collective %{x}<br>%{z:.3f} ms vs median rank<extra></extra>"))
     height = max(260, min(1400, 120 + 28 * len(ranks)))
-    return _layout(fig, "Arrival lateness at each collective (ms after the median rank; step:group:seq)",
+    return _layout(fig, "Arrival lateness at each collective (ms after the median rank)",
                    height=height, xaxis={"type": "category", "tickangle": -45},
                    yaxis={"autorange": "reversed", "type": "category"})
 

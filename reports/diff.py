@@ -53,7 +53,7 @@ def _diff_causes(causes: list) -> str:
     if not rows:
         return '<p class="muted">No checks to compare.</p>'
     return ('<table class="diff-causes"><thead><tr><th>Check</th><th>Change</th><th>Before</th>'
-            '<th class=num>Recoverable / step</th><th>After</th><th class=num>Recoverable / step</th>'
+            '<th class=num>Before: recoverable / step</th><th>After</th><th class=num>After: recoverable / step</th>'
             f'<th>Step breakdown (mean over ranks)</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
 
 
@@ -70,6 +70,15 @@ def render_diff(diff: dict) -> str:
         lists.append(f"<div><dt>{label}</dt><dd>{items}</dd></div>")
     fig = charts.diff_breakdown_bars(before, after)
     chart = cs.add(fig, "Mean step time before and after, by component") if fig is not None else ""
+    pr = _dict(d.get("prediction"))
+    predicted = ""
+    if pr:
+        err = num(pr.get("error"))
+        predicted = (f'<p><span class="kicker">Predicted vs measured</span> fixing '
+                     f'{esc(", ".join(str(x) for x in _list(pr.get("causes"))))} was predicted to give back '
+                     f'<strong>{fmt_ms(pr.get("predicted_saving_ms"), 1)}</strong> per step '
+                     f'({esc(pr.get("method"))}); the step got <strong>{fmt_ms(pr.get("measured_saving_ms"), 1)}'
+                     f'</strong> shorter{f" (prediction {err:+.0%})" if err is not None else ""}.</p>')
     notes = "".join(f'<li>{esc(n)}</li>' for n in _list(d.get("comparability")))
     notes_html = f'<ul class="lines warn">{notes}</ul>' if notes else ""
     body = f"""<main>
@@ -77,7 +86,7 @@ def render_diff(diff: dict) -> str:
 <span class="muted">{esc(tool.get("name", "torch-diagnose"))} {esc(tool.get("version", ""))} · diff {esc(d.get("diff_version"))}</span></header>
 <section class="verdict" id="verdict" aria-label="Summary"><p class="headline"><span class="kicker">Step time</span>
 <strong>{fmt_ms(st.get("before"), 1)} → {fmt_ms(st.get("after"), 1)}</strong>{esc(change)}</p>
-<dl class="facts">{"".join(lists)}</dl>{notes_html}</section>
+{predicted}<dl class="facts">{"".join(lists)}</dl>{notes_html}</section>
 <h2 id="side-by-side">Before and after</h2><div class="side">{_diff_side(before)}{_diff_side(after)}</div>
 <h2 id="causes">Per cause</h2>{_diff_causes(_list(d.get("causes")))}
 <h2 id="breakdown">Where the step goes</h2>{chart or '<p class="muted">No step breakdown to compare.</p>'}

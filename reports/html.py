@@ -16,6 +16,7 @@ from .common import (MAX_EVENTS, MAX_LINES, STATUS_LABEL, STATUS_MARK, ChartSet,
 
 __all__ = ["render", "write_report", "_plotly_js"]  # _plotly_js: the tests check it is inlined once
 from .hta import _hta_for_check, _hta_section
+from .labels import metric_label, metric_value
 
 # -------------------------------------------------------------- sections ---
 
@@ -121,12 +122,48 @@ def _breakdown_section(breakdown: list, cs: ChartSet, composition: bool = True) 
 
 
 def _timeline_section(extras: dict, cs: ChartSet) -> str:
-    fig = charts.step_timeline(_dict(extras.get("timeline")))
-    if fig is None:
+    tl = _dict(extras.get("timeline"))
+    others = [(str(k), _dict(v)) for k, v in _dict(tl.get("other_steps")).items() if k in ("slowest", "fastest")]
+    views = [("median", tl)] + others
+    charts_html = []
+    for i, (which, t) in enumerate(views):
+        fig = charts.step_timeline(t, f"{which} step" if len(views) > 1 else "")
+        if fig is None:
+            continue
+        hidden = " timeline-hidden" if charts_html else ""
+        charts_html.append((which, t.get("step"), f'<div class="timeline-view{hidden}" data-view="{esc(which)}">'
+                            f'{cs.add(fig, f"Timeline of the {which} step on every rank")}</div>'))
+    if not charts_html:
         return ""
-    return (cs.add(fig, "Timeline of one step on every rank") +
+    selector = ""
+    if len(charts_html) > 1:
+        # a step selector: every view is drawn at load (at full width), the others kept out of sight
+        buttons = "".join(f'<button type="button" data-view="{esc(w)}" aria-pressed="{str(i == 0).lower()}">'
+                          f'{esc(w)} step ({esc(s)})</button>' for i, (w, s, _) in enumerate(charts_html))
+        selector = f'<div class="step-selector" role="group" aria-label="Step shown">Show: {buttons}</div>'
+    return (selector + "".join(h for _, _, h in charts_html) +
             '<p class="muted">Real intervals from the traces: when each rank computed, communicated or waited for '
-            'data during one representative step. A rank whose rows start late is the one the others wait for.</p>')
+            'data during one step. A rank whose rows start late is the one the others wait for.</p>')
+
+
+def _top_ops_section(extras: dict) -> str:
+    """Per rank, the heaviest ops or kernels (collapsible: one <details> per rank)."""
+    ranks = [x for x in _list(_dict(extras.get("top_ops")).get("ranks")) if isinstance(x, dict)]
+    if not ranks:
+        return ""
+    parts = []
+    for x in ranks:
+        rows = "".join(f'<tr><td class=mono>{esc(o.get("name"))}</td><td class=num>{fmt_ms(o.get("ms_per_step"), 3)}</td>'
+                       f'<td class=num>{fmt_value(o.get("calls_per_step"))}</td>'
+                       f'<td class=num>{fmt_share(o.get("share_of_step"))}</td></tr>'
+                       for o in map(_dict, _list(x.get("top"))))
+        parts.append(f'<details class="top-ops"><summary>Rank {esc(x.get("rank"))}: heaviest {esc(x.get("kind"))} '
+                     f'(mean step {fmt_ms(x.get("step_ms"), 1)})</summary><table class="top-ops"><thead><tr>'
+                     '<th>Name</th><th class=num>Time per step</th><th class=num>Calls per step</th>'
+                     f'<th class=num>Share of step</th></tr></thead><tbody>{rows}</tbody></table></details>')
+    return ('<h3 id="top-ops">Heaviest ops and kernels, per rank</h3><p class="muted">Host ops by self time on CPU '
+            'ranks, kernels by device time on GPU ranks; the straggler check compares these between ranks.</p>'
+            + "".join(parts))
 
 
 REPLAY_PARTS = {"dataloader": "DataLoader wait", "compute": "compute and host work", "communication": "communication",
@@ -170,8 +207,10 @@ def _metrics_table(metrics: dict) -> str:
         return '<p class="muted">No metrics recorded.</p>'
     # numbers stay on one line, right-aligned; text values (op lists, notes) wrap, so a long one
     # cannot squeeze the names column to nothing
-    rows = "".join(f"<tr><th scope=row>{esc(k)}</th><td class={'num' if num(v) is not None else 'val'}>"
-                   f"{fmt_value(v)}</td></tr>" for k, v in metrics.items())
+    # a human label on the page; the machine key (as in diagnosis.json) in the tooltip
+    rows = "".join(f"<tr><th scope=row title=\"{esc(k)}\">{esc(metric_label(k)[0])}</th>"
+                   f"<td class={'num' if num(v) is not None else 'val'}>"
+                   f"{esc(metric_value(k, v) or '') or fmt_value(v)}</td></tr>" for k, v in metrics.items())
     return f'<table class="metrics evidence"><caption>Metrics</caption><tbody>{rows}</tbody></table>'
 
 
@@ -234,7 +273,8 @@ def render(diagnosis: dict) -> str:
     # the real timeline, when the JSON has it, replaces the composition-only lanes
     breakdown_html = (_breakdown_section(_list(d.get("breakdown")), cs, composition=not timeline.get("ranks"))
                       + _timeline_section(_dict(d.get("extras")), cs)
-                      + _replay_section(_dict(d.get("extras")), findings, cs))
+                      + _replay_section(_dict(d.get("extras")), findings, cs)
+                      + _top_ops_section(_dict(d.get("extras"))))
     evidence = "".join(_finding_section(i, f, d, cs) for i, f in enumerate(findings, 1)) or \
         '<p class="muted">Nothing flagged, so no evidence to show.</p>'
     body = f"""<main>

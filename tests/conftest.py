@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "traces"
+# DIAGNOSE_SHARED_TRACES: where ../shared/traces is when the tests run from a copy of the
+# repository (the mutation run's mutants/ folder)
+SHARED = Path(os.environ.get("DIAGNOSE_SHARED_TRACES") or ROOT.parent / "shared" / "traces")
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 
 
@@ -21,22 +23,86 @@ def shared(name: str) -> Path:
     return p
 
 
-@functools.cache
-def shared_diagnosis(name: str):
-    """The diagnosis of one shared trace set with default thresholds, made once per test session
-    (a Diagnosis is frozen: tests read it, never change it)."""
-    from diagnose.pipeline import diagnose_paths
+def _mutant() -> str:
+    """The mutant a mutation run (benchmarks/mutation.py, with mutmut) has switched on in this
+    process: part of every cache key below, so that no mutant is tested against results the
+    unmutated code made. While mutmut records which tests reach which function ("stats"), each
+    test gets its own key: a test that read another test's cached diagnosis would otherwise not
+    be counted as reaching the analyzers, and would never be run against their mutants."""
+    m = os.environ.get("MUTANT_UNDER_TEST", "")
+    if m == "stats":
+        return "stats:" + os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    return m
 
-    return diagnose_paths([shared(name)])
+
+_LOAD_PHASE: set[str] = set()
+"""mutmut's names of the analyzer functions that ran while a run was loaded (each check's
+per-rank reduce phase and what it calls), seen while the unmutated code loaded each run. A
+mutant anywhere else cannot change a loaded run: it reuses the unmutated load (made before
+mutmut forks the process that tests it) and only the analysis is repeated. A mutant in this set
+loads its own. (Not knowing a function can only make its mutant look harmless, never hide one
+that is caught: the score errs low.)"""
 
 
-@functools.cache
-def shared_run(name: str):
-    """One shared trace set loaded as a Run, once per test session (read it, never change it)."""
+def _load_key() -> str:
+    m = _mutant()
+    if m and not m.startswith("stats:") and m.rsplit("__mutmut_", 1)[0] not in _LOAD_PHASE:
+        return ""
+    return m
+
+
+def _load(paths: list[Path]):
     from diagnose.analyzers import reduce_rank
     from diagnose.ingest.assemble import load_run
 
-    return load_run([shared(name)], reduce=reduce_rank)
+    if os.environ.get("MUTANT_UNDER_TEST") != "":  # not mutmut's unmutated run: just load
+        return load_run(paths, reduce=reduce_rank)
+
+    def seen(frame, event, arg):
+        if event == "call" and frame.f_code.co_name.endswith("__mutmut_orig"):
+            _LOAD_PHASE.add(f'{frame.f_globals.get("__name__")}.{frame.f_code.co_name[:-len("__mutmut_orig")]}')
+
+    sys.setprofile(seen)
+    try:
+        return load_run(paths, reduce=reduce_rank, jobs=1)  # in this process, where the profiler sees it
+    finally:
+        sys.setprofile(None)
+
+
+@functools.cache
+def _run(path: str, key: str):
+    return _load([Path(path)])
+
+
+@functools.cache
+def _diagnosis(path: str, mutant: str):
+    """A diagnosis as `diagnose analyze` makes it (diagnose_paths), from the cached load."""
+    import dataclasses
+
+    from diagnose.pipeline import diagnose_run
+    from diagnose.probedata import load_probe_data
+    from diagnose.thresholds import DEFAULT
+
+    run = _run(path, _load_key())
+    probes = load_probe_data([path])
+    extra = [w for p in probes.values() for w in p.warnings]
+    return diagnose_run(dataclasses.replace(run, warnings=run.warnings + extra) if extra else run, DEFAULT, probes)
+
+
+def shared_diagnosis(name: str):
+    """The diagnosis of one shared trace set with default thresholds, made once per test session
+    (a Diagnosis is frozen: tests read it, never change it)."""
+    return _diagnosis(str(shared(name)), _mutant())
+
+
+def fixture_diagnosis(path: Path):
+    """The diagnosis of a recorded job kept in tests/fixtures, once per test session."""
+    return _diagnosis(str(path), _mutant())
+
+
+def shared_run(name: str):
+    """One shared trace set loaded as a Run, once per test session (read it, never change it)."""
+    return _run(str(shared(name)), _load_key())
 
 
 def run_dir(out: Path) -> Path:
@@ -64,3 +130,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """`pytest -q` (the README's command) still names each test file as it starts, so a long run
+    shows where it is (pytest shows file names only at default verbosity)."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None and config.getoption("verbose") < 0:
+        tr.showfspath = True

@@ -26,7 +26,6 @@ SETS = ["kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/
         "edge_hta_cpu_only_gloo_rank34of300"]
 
 
-@lru_cache(maxsize=None)
 def diagnosis(name: str):
     return shared_diagnosis(name)
 

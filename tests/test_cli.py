@@ -5,7 +5,9 @@ import gzip
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from diagnose.cli import main
@@ -67,7 +69,7 @@ def test_diagnosis_json_contract(tmp_path):
     assert res.exit_code == 0, res.output
     assert res.output.startswith("VERDICT:")
     d = json.loads((tmp_path / "diagnosis.json").read_text())
-    assert d["schema_version"] == "1.2"
+    assert d["schema_version"] == "1.3"
     for b in d["breakdown"]:  # 1.1: other_ms split by why the device idled (GPU run)
         assert b["other_by_cause_ms"] and abs(sum(b["other_by_cause_ms"].values()) - b["other_ms"]) < 1e-3
     for key in ("world_size", "backend", "device", "steps_analysed", "ranks_found", "ranks_missing"):
@@ -113,3 +115,26 @@ def test_progress_line_only_after_a_while_and_cleared(capsys):
     # click drops the erase-line escape when stderr is not a terminal, as here
     assert "reading traces: 3/8 ranks" in err and "rank\\n2.json" in err and err.endswith(("\r", "\r\x1b[K"))
     assert "\n" not in err
+
+
+def test_probe_env_silences_kineto_unless_the_job_chose():
+    from diagnose.launch import probe_env
+
+    assert probe_env(Path("t"), "2,2,5", base={})["KINETO_LOG_LEVEL"] == "6"
+    assert probe_env(Path("t"), "2,2,5", base={"KINETO_LOG_LEVEL": "2"})["KINETO_LOG_LEVEL"] == "2"
+
+
+@pytest.mark.parametrize("command, threads", [
+    (["torchrun", "--nproc_per_node=2", "train.py"], "1"),
+    (["/usr/bin/torchrun", "--nproc-per-node", "4", "train.py", "--lr", "1"], "1"),
+    (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py"], "1"),
+    (["torchrun", "--nproc_per_node=1", "train.py"], None),       # torchrun sets nothing for one process
+    (["torchrun", "train.py", "--nproc_per_node=2"], None),       # the script's own flag, not torchrun's
+    (["python", "train.py", "--nproc_per_node=2"], None),         # not torchrun at all
+    (["torchrun", "--nproc_per_node=gpu", "train.py"], None),     # unknown count: leave it to torchrun
+])
+def test_torchrun_banner_is_avoided_only_where_torchrun_would_set_one_thread(command, threads):
+    from diagnose.launch import quiet_launcher
+
+    assert quiet_launcher(command, {}).get("OMP_NUM_THREADS") == threads
+    assert quiet_launcher(command, {"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"  # the user's choice

@@ -42,7 +42,14 @@ def test_diff_cli_reports_dataloader_gone_and_step_time(tmp_path):
     assert dl["change"] == "gone" and dl["before_status"] == "flagged" and dl["after_status"] == "passed"
     assert dl["before_ms"] == pytest.approx(31.4, abs=1) and dl["after_ms"] is None
     assert dl["component_after_ms"] < 1 and dl["component_change_ms"] < -25
+    # the before run's prediction against the step time the fix gave
+    pr = diff["prediction"]
+    assert pr["causes"] == ["dataloader_starvation"] and pr["predicted_saving_ms"] == pytest.approx(dl["before_ms"])
+    assert pr["measured_saving_ms"] == pytest.approx(diff["step_ms"]["before"] - diff["step_ms"]["after"], abs=1e-3)
+    assert re.search(r"PREDICTED vs MEASURED: fixing dataloader_starvation was predicted to give back 31\.\d ms/step; "
+                     r"the step got 26\.\d ms shorter \(\+1\d%\)", res.stdout), res.stdout
     html = (tmp_path / "report.html").read_text()
+    assert "Predicted vs measured" in html and "Before: recoverable / step" in html
     assert "GONE" in html and "nw0" in html and "nw4" in html and 'class="side"' in html
 
 
@@ -58,6 +65,7 @@ def test_same_run_twice_changes_nothing():
     diff = diff_diagnoses(d, d)
     assert diff["step_ms"]["change_ms"] == 0 and diff["step_ms"]["change_pct"] == 0
     assert not (diff["findings_gone"] or diff["findings_appeared"] or diff["findings_changed"])
+    assert diff["prediction"] is None
     assert diff["findings_unchanged"] == ["dataloader_starvation"]
     assert not diff["comparability"]
     assert set(diff["breakdown_change_ms"].values()) == {0}
@@ -81,6 +89,6 @@ def test_render_diff_escapes_trace_text_and_tolerates_odd_input():
     diff["comparability"] = [HOSTILE]
     diff["before"]["run"]["device_name"] = HOSTILE
     text = render_diff(diff)
-    assert HOSTILE not in text and text.count("<script") == 3
+    assert HOSTILE not in text and text.count("<script") == 4
     for odd in ({}, {"before": None, "causes": [None, 1], "step_ms": "x"}, {"findings_gone": [HOSTILE]}):
         assert HOSTILE not in render_diff(odd) and render_diff(odd).startswith("<!DOCTYPE html>")

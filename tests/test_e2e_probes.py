@@ -36,6 +36,9 @@ def verdict(out):
 def test_injected_cause_ranks_first(tmp_path, pathology, top, ranks):
     res = diagnose_run(tmp_path, "--pathology", pathology)
     assert res.returncode == 0, res.stderr[-3000:]
+    # the probes' own noise is silenced (kineto's per-window lines); the outputs are named
+    assert "USDT" not in res.stderr + res.stdout, res.stderr[-2000:]
+    assert f"wrote {run_dir(tmp_path) / 'diagnosis.json'}" in res.stdout
     d = verdict(tmp_path)
     assert d["findings"][0]["id"] == top, res.stdout
     # the step graph replays this real job's steps within 5% (#15 fidelity)

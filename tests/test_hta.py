@@ -235,7 +235,7 @@ def test_hta_text_is_escaped_in_the_report():
     h["limitations"].append(HOSTILE)
     dd = diagnosis_dict(dataclasses.replace(d, extras={**d.extras, "hta": h}))
     text = render(dd)
-    assert HOSTILE not in text and text.count("<script") == 3
+    assert HOSTILE not in text and text.count("<script") == 4
     failed = diagnosis_dict(dataclasses.replace(d, extras={"hta": {"status": "failed", "reason": HOSTILE}}))
     assert HOSTILE not in render(failed)
     for odd in ({"status": None}, {"status": "ok", "by_check": [1], "run": "x"}, "x"):

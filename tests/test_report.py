@@ -1,18 +1,21 @@
 """The HTML report on real diagnoses: verdict first, evidence per finding, offline, XSS-safe."""
 from __future__ import annotations
 
+import base64
 import copy
+import gzip
 import html
 import re
-from html.parser import HTMLParser
 from pathlib import Path
+from html.parser import HTMLParser
 
 import pytest
 
+from diagnose.reports.common import _plotly_js_packed
 from diagnose.reports.html import _plotly_js, render, write_report
+from tests.conftest import SHARED as TRACES
 from tests.conftest import shared_diagnosis
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SETS = ["param_dlrm_8rank_v100", "kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4",
         "hta_sampled_2rank_of128", "edge_hta_ddp_world1_v100"]
 HEALTHY = {"kineto_resnet50_dataloader_v100/nw4", "edge_hta_ddp_world1_v100"}
@@ -147,15 +150,19 @@ def test_run_facts_say_ranks_found_of_world_size():
 @pytest.mark.parametrize("name", ["param_dlrm_8rank_v100", "edge_hta_ddp_world1_v100"])
 def test_self_contained_and_plotly_once(name):
     text = render(diagnosis_json(name))
-    assert text.count(_plotly_js()[:300]) == 1
+    # plotly.js once, packed (gzip + base64: the browser unpacks it), never also in the clear
+    packed = _plotly_js_packed()
+    assert text.count(packed) == 1 and _plotly_js()[:300] not in text
+    assert gzip.decompress(base64.b64decode(packed)).decode() == _plotly_js()
     assert "<script src" not in text.lower() and "<link " not in text.lower()
     page = Page(text)
     for tag, a, _ in page.elements:
         for attr in ("src", "href"):
             v = a.get(attr)
             assert v is None or v.startswith("#"), f"<{tag} {attr}={v!r}> points outside the page"
-    # nothing big besides plotly.js
-    assert len(text.encode()) - len(_plotly_js().encode()) < 300_000
+    # nothing big besides plotly.js, and the page well under plotly's own 4.8 MB
+    assert len(text.encode()) - len(packed) < 300_000
+    assert len(text.encode()) < 2_400_000
 
 
 def assert_inert(text: str, payloads) -> Page:
@@ -165,7 +172,7 @@ def assert_inert(text: str, payloads) -> Page:
     page = Page(text)
     tags = [t for t, _, _ in page.elements]
     assert "img" not in tags and "svg" not in tags
-    assert tags.count("script") == 3  # error hook, plotly.js, charts: nothing injected
+    assert tags.count("script") == 4  # error hook, charts, packed plotly.js, its loader: nothing injected
     assert not [(t, k) for t, a, _ in page.elements for k in a if k.startswith("on")]
     assert all("</script" not in s.lower() for s in page.scripts)
     return page
@@ -286,3 +293,41 @@ def test_severity_badge_is_not_confused_with_confidence():
     sev = d["findings"][0]["severity"]
     assert f'<span class="sev sev-{sev}">{sev.upper()} IMPACT</span>' in page
     assert "<th>Impact</th>" in page and "<th>Severity</th>" not in page
+
+
+@pytest.mark.parametrize("name", ["param_dlrm_8rank_v100", "kineto_resnet50_dataloader_v100/nw0",
+                                  "hta_sampled_2rank_of128"])
+def test_metrics_show_human_labels_and_keep_the_key_as_a_tooltip(name):
+    d = diagnosis_json(name)
+    page = render(d)
+    keys = [k for f in d["findings"] for k in f["metrics"]]
+    assert keys
+    rows = dict(re.findall(r'<th scope=row title="([^"]*)">([^<]*)</th>', page))
+    for k in keys:
+        label = html.unescape(rows[html.escape(k, quote=True)])
+        assert label != k and "_" not in label, (k, label)
+    # numbers carry their unit's form: shares as percentages
+    share = next(k for k in keys if k.endswith("share_of_step") or k.endswith("_share"))
+    assert re.search(rf'title="{re.escape(share)}">[^<]*</th><td class=num>[0-9.]+%</td>', page)
+
+
+def test_top_ops_table_per_rank_matches_the_raw_kernels():
+    """nw0 (one GPU rank): the heaviest kernel's time per step, recomputed from the raw trace
+    (sum of its kernel events' durations inside the profiled steps, over the step count)."""
+    import gzip
+    import json as _json
+
+    d = diagnosis_json("kineto_resnet50_dataloader_v100/nw0")
+    top = d["extras"]["top_ops"]["ranks"][0]
+    assert top["rank"] == 0 and top["kind"] == "kernels" and len(top["top"]) == 10
+    first = top["top"][0]
+    path = next(trace_set("kineto_resnet50_dataloader_v100/nw0").glob("*.json*"))
+    ev = _json.load(gzip.open(path))["traceEvents"]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in ev if str(e.get("name", "")).startswith("ProfilerStep#")]
+    inside = [e for e in ev if e.get("cat") == "Kernel" and e.get("name") == first["name"]
+              and any(a <= e["ts"] < b for a, b in steps)]
+    assert first["ms_per_step"] == pytest.approx(sum(e["dur"] for e in inside) / 1000 / len(steps), rel=1e-3)
+    assert first["calls_per_step"] == pytest.approx(len(inside) / len(steps), rel=1e-3)
+    page = render(d)
+    assert 'id="top-ops"' in page and page.count('<details class="top-ops">') == 1
+    assert html.escape(first["name"], quote=True) in page

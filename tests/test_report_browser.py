@@ -39,9 +39,9 @@ def body_attrs(dom: str) -> dict[str, str]:
     return dict(re.findall(r'([\w-]+)="([^"]*)"', m.group(1)))
 
 
-def dump(report: dict, tmp: Path) -> tuple[str, dict[str, str]]:
+def dump(report: dict, tmp: Path, renderer=render) -> tuple[str, dict[str, str]]:
     page = tmp / "report.html"
-    page.write_text(render(report), encoding="utf-8")
+    page.write_text(renderer(report), encoding="utf-8")
     res = run_chromium(page, tmp, "--dump-dom")
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout, body_attrs(res.stdout)
@@ -49,6 +49,8 @@ def dump(report: dict, tmp: Path) -> tuple[str, dict[str, str]]:
 
 def assert_charts_drew(dom: str, attrs: dict[str, str]) -> None:
     assert "data-js-errors" not in attrs, attrs.get("data-js-error-text")
+    # plotly reports bad input on the console (then draws it wrong, e.g. black bars): none allowed
+    assert "data-console-warnings" not in attrs, attrs.get("data-console-text")
     containers = len(re.findall(r'<div class="chart[ "]', dom))
     assert containers >= 1
     assert attrs.get("data-charts-expected") == str(containers)
@@ -79,3 +81,54 @@ def test_hostile_report_runs_nothing(tmp_path):
     assert "<title>PWNED" not in dom
     assert not re.search(r"<img[\s>]", dom)
     assert_charts_drew(dom, attrs)  # the hostile labels did not break the charts either
+
+
+@pytest.mark.parametrize("name", ["kineto_resnet50_dataloader_v100/nw0", "edge_hta_cpu_only_gloo_rank34of300"])
+def test_analyze_pages_draw_without_console_warnings(tmp_path, name):
+    """(The DLRM page, with the most charts, is checked by test_dlrm_report_renders.)"""
+    dom, attrs = dump(diagnosis_json(name), tmp_path)
+    assert_charts_drew(dom, attrs)
+
+
+def test_diff_page_draws_without_console_warnings(tmp_path):
+    from diagnose.diff import diff_diagnoses
+    from diagnose.reports.diff import render_diff
+    from tests.conftest import shared_diagnosis
+
+    diff = diff_diagnoses(shared_diagnosis("kineto_resnet50_dataloader_v100/nw0"),
+                          shared_diagnosis("kineto_resnet50_dataloader_v100/nw4"))
+    dom, attrs = dump(diff, tmp_path, render_diff)
+    assert_charts_drew(dom, attrs)
+    assert "Predicted vs measured" in dom
+
+
+def test_scale_page_draws_without_console_warnings(tmp_path):
+    from diagnose.reports.scaling import render_scaling
+    from diagnose.scaling import ScalePoint, account
+    from diagnose.scaling_output import scaling_dict
+
+    def point(n, step, causes, replayed):
+        return ScalePoint(nproc=n, step_ms=step, step_source="probe steps", per_rank_batch=32,
+                          throughput=n * 32 / step * 1000, speedup=1.0, efficiency=1.0, run_dir=f"n{n}",
+                          trace_step_ms=step, causes_ms=causes, compute_ms=100.0, replayed_step_ms=replayed,
+                          causes_from="replay")
+
+    s = account({1: point(1, 100.0, {"straggler": 0.0}, 100.0), 2: point(2, 180.0, {"straggler": 60.0}, 180.0)},
+                ranks_by_cause={"straggler": (1,)})
+    dom, attrs = dump(scaling_dict(s), tmp_path, render_scaling)
+    assert_charts_drew(dom, attrs)
+    assert "the largest loss is waiting for a straggler on rank 1" in dom
+
+
+def test_step_selector_shows_the_chosen_step(tmp_path):
+    """nw0 has six steps: the median (5), the slowest (10) and the fastest (7) are drawn; a click
+    on "slowest" shows that one and hides the others."""
+    page = render(diagnosis_json("kineto_resnet50_dataloader_v100/nw0"))
+    click = ('<script>setTimeout(function () { document.querySelector(\'.step-selector button[data-view="slowest"]\')'
+             '.click(); }, 50);</script></body>')
+    dom, attrs = dump({}, tmp_path, lambda _: page.replace("</body>", click))
+    assert_charts_drew(dom, attrs)
+    views = dict(re.findall(r'<div class="(timeline-view[^"]*)" data-view="(\w+)">', dom)[i][::-1] for i in range(3))
+    assert views == {"median": "timeline-view timeline-hidden", "slowest": "timeline-view",
+                     "fastest": "timeline-view timeline-hidden"}
+    assert 'data-view="slowest" aria-pressed="true">slowest step (10)' in dom

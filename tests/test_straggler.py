@@ -65,6 +65,7 @@ def test_few_collectives_steadily_late_are_a_straggler(tmp_path):
 def test_t_tail_matches_tabulated_critical_values():
     for t, df, p in [(2.353, 3, 0.05), (2.132, 4, 0.05), (1.833, 9, 0.05), (12.706, 1, 0.025)]:
         assert t_sf(t, df) == pytest.approx(p, abs=2e-4)
+        assert t_sf(-t, df) == pytest.approx(1 - p, abs=2e-4)  # the lower side: a rank early, not late
     assert t_sf(0.0, 7) == pytest.approx(0.5)
 
 

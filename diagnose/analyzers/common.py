@@ -4,8 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP
 from diagnose.model import Check, Finding
 from diagnose.step.idle import IdleModel, completeness
+from diagnose.step.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
+                                    _names_matching)
 from diagnose.thresholds import Thresholds
 
 
@@ -66,11 +69,29 @@ def flag_or_pass(finding: Finding, threshold: float, th: Thresholds, reason_flag
     return Check(id=finding.id, title=finding.title, status="passed", reason=why, measured_ms=finding.recoverable_ms)
 
 
+def host_self_times(ev: pd.DataFrame, tl: RankTimeline) -> pd.DataFrame:
+    """The host ops of the training threads with their self times (`self_us`), without the step
+    markers, DataLoader fetches and communication calls: those are other checks' time.
+
+    Self times are taken before those are left out: a pipeline stage's "Backward 0" annotation
+    holding an 88 ms blocking gloo:recv has that recv subtracted, so the wait is never counted as
+    the annotation's own (per-op) time."""
+    host = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
+    ops = ev[host & ~ev["tid"].astype(str).isin(tl.comm_threads).to_numpy()]
+    ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
+    ops = ops.assign(self_us=self_times(ops))
+    skip = (_names_matching(ops, PROFILER_STEP) | _names_matching(ops, DATALOADER)
+            | _names_matching(ops, CPU_COMM_ENQUEUE) | _names_matching(ops, CPU_COMM_TRANSFER))
+    return ops[~skip]
+
+
 def self_times(df: pd.DataFrame) -> np.ndarray:
     """Self time of each op (duration minus its direct children), per thread.
 
     Rows must be sorted by (tid, ts, -dur). One stack walk: CPU-only traces hold
     tens of thousands of ops per step at most, so a Python loop is fast enough here.
+    A child that outlives its parent (gloo's async `gloo:recv` starts inside `c10d::recv_` and
+    ends 88 ms later) has the part beyond the parent's end taken from the ancestors it lies in.
     """
     ts = df["ts"].to_numpy()
     end = ts + df["dur"].to_numpy()
@@ -84,7 +105,13 @@ def self_times(df: pd.DataFrame) -> np.ndarray:
             prev_tid = tids[i]
         while stack and end[stack[-1]] <= ts[i]:
             stack.pop()
-        if stack:
-            self_t[stack[-1]] -= min(end[i], end[stack[-1]]) - ts[i]
+        start = ts[i]
+        for j in reversed(stack):  # the parent first; what outlasts it, its ancestors
+            hi = min(end[i], end[j])
+            if hi > start:
+                self_t[j] -= hi - start
+                start = hi
+            if start >= end[i]:
+                break
         stack.append(i)
     return np.maximum(self_t, 0.0)

@@ -20,14 +20,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from diagnose.analyzers.common import confidence_for, flag_or_pass, idle_completeness, not_measurable, self_times
+from diagnose.analyzers.common import (confidence_for, flag_or_pass, host_self_times, idle_completeness,
+                                       not_measurable)
 from diagnose.context import Context
-from diagnose.ingest.load import KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP, KIND_KERNEL, RankTrace
+from diagnose.ingest.load import KIND_COMM_KERNEL, KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.step import idle
 from diagnose.step.intervals import covered
-from diagnose.step.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
-                               _names_matching)
+from diagnose.step.timeline import RankTimeline, _names_matching
 from diagnose.thresholds import Thresholds
 
 ID = "launch_overhead"
@@ -206,13 +206,7 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
 
 
 def _op_overhead(ev: pd.DataFrame, tl: RankTimeline) -> OpOverhead:
-    host_kinds = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
-    comm_tids = tl.comm_threads
-    excl = (_names_matching(ev, PROFILER_STEP) | _names_matching(ev, DATALOADER)
-            | _names_matching(ev, CPU_COMM_ENQUEUE) | _names_matching(ev, CPU_COMM_TRANSFER))
-    ops = ev[host_kinds & ~excl & ~ev["tid"].astype(str).isin(comm_tids).to_numpy()]
-    ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
-    ops = ops.assign(self_us=self_times(ops))
+    ops = host_self_times(ev, tl)
     # ops inside a DataLoader fetch are input work, counted by the dataloader check
     if len(tl.dataloader):
         inside = covered(tl.dataloader, ops["ts"], ops["ts"] + ops["dur"]) > 0
@@ -224,11 +218,15 @@ def _op_overhead(ev: pd.DataFrame, tl: RankTimeline) -> OpOverhead:
     # the work is smallest, so what remains is dispatch and bookkeeping
     fixed_cost = ops.groupby("name", observed=True)["self_us"].transform("min").to_numpy()
     floor = float(np.median(fixed_cost))
+    # except dense math: its fastest instance still multiplies matrices (a pipeline stage's
+    # equal-sized matmuls would count whole as overhead); its fixed cost is taken as a typical op's
+    dense_rows = _names_matching(ops, DENSE)
+    fixed_cost = np.where(dense_rows, np.minimum(fixed_cost, floor), fixed_cost)
     idx = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
     ok = (idx >= 0) & (ops["ts"].to_numpy() < hi[np.clip(idx, 0, None)])
     fixed = np.bincount(idx[ok], weights=np.minimum(ops["self_us"].to_numpy(), fixed_cost)[ok], minlength=len(lo))
     n_ops = np.bincount(idx[ok], minlength=len(lo))
-    dense = ops[_names_matching(ops, DENSE)]
+    dense = ops[dense_rows]
     c = covered(tl.compute, lo, hi).sum()
     typical = ops.iloc[np.argsort(np.abs(ops["self_us"].to_numpy() - floor))[:2]].index
     return OpOverhead(ms=float(np.mean(fixed)) / 1000, ops_per_step=float(np.mean(n_ops)), fixed_cost_us=floor,

@@ -41,13 +41,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
-from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, self_times
+from diagnose.analyzers.common import confidence_for, flag_or_pass, host_self_times, not_measurable
 from diagnose.context import Context
-from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, KIND_KERNEL, RankTrace
+from diagnose.ingest.load import KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.probedata import every_step_lateness
-from diagnose.step.timeline import CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline, \
-    _names_matching
+from diagnose.step.timeline import RankTimeline
 from diagnose.thresholds import Thresholds
 
 ID = "straggler"
@@ -81,12 +80,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
         ops = ev[(ev["kind"] == KIND_KERNEL).to_numpy()]
         ops = ops.assign(self_us=ops["dur"].to_numpy(dtype=float))
     else:
-        host = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
-        skip = (_names_matching(ev, PROFILER_STEP) | _names_matching(ev, DATALOADER)
-                | _names_matching(ev, CPU_COMM_ENQUEUE) | _names_matching(ev, CPU_COMM_TRANSFER))
-        ops = ev[host & ~skip & ~ev["tid"].astype(str).isin(tl.comm_threads).to_numpy()]
-        ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
-        ops = ops.assign(self_us=self_times(ops))
+        ops = host_self_times(ev, tl)
     k = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
     ops = ops[(k >= 0) & (ops["ts"].to_numpy() < hi[np.clip(k, 0, None)])]
     if ops.empty:

@@ -56,6 +56,12 @@ def _subdirs_with_traces(directory: Path) -> list[Path]:
     return out
 
 
+def _runs_with_traces(parent: Path) -> list[Path]:
+    from diagnose.rundir import TRACES, run_dirs
+
+    return [r for r in run_dirs(parent) if (r / TRACES).is_dir() and _candidates(r / TRACES)]
+
+
 def discover_traces(paths: list[str | Path]) -> list[Path]:
     """Files to load, from files and directories.
 
@@ -84,6 +90,10 @@ def discover_traces(paths: list[str | Path]) -> list[Path]:
                     f"traces in several subdirectories ({names}): likely several runs; pass one of them", p
                 )
         if not files:
+            runs = _runs_with_traces(p)
+            if runs:  # `diagnose run --out` parent: say which run to pass, never guess one
+                raise DiagnoseError(f"holds {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} of "
+                                    f"`diagnose run`, not traces; pass one (the newest: {runs[-1]})", p)
             raise DiagnoseError("no trace files (*.json, *.json.gz) found", p)
         found.extend(files)
     return list(dict.fromkeys(found))  # a file named twice is one file

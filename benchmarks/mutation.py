@@ -1,0 +1,144 @@
+"""Mutation testing of the checklist (diagnose/analyzers/) with mutmut, on the fast tests.
+
+mutmut (pinned below: its mutant names and state files change between releases) copies the
+package into mutants/, rewrites every function of the analyzers into variants (an operator
+flipped, a constant nudged, a string changed, a call argument dropped...), and runs, for each
+variant, the fast tests that reach that function (the selection is in pyproject.toml,
+[tool.mutmut]). A mutant no test notices "survives": a change in what the tool prints that
+nothing would catch. tests/conftest.py keys its caches on the mutant under test, so no mutant is
+judged by results the unmutated code made.
+
+    python benchmarks/mutation.py            # a random sample of 600 mutants, then report
+    python benchmarks/mutation.py --sample 0 # every mutant (about 6,000: hours on 2 cores)
+    python benchmarks/mutation.py --report   # report the last run only
+
+Prints the score per file and writes docs/mutation.md: the score, and every surviving mutant
+with its changed line. Not part of CI (too slow for its budget). Needs `pip install mutmut==3.8.1`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTMUT = "3.8.1"
+TARGET = "diagnose/analyzers"
+KILLED = {1, 3, 36, -24, 24, 152, 255, -11, -9, 37}  # failed, errored, timed out or crashed: noticed
+SURVIVED = {0}
+NO_TESTS = {5, 33}
+
+
+FIRST = "diagnose.analyzers.common.x_flag_or_pass__mutmut_1"
+"""One mutant to run first: mutmut then generates every mutant and records which tests reach what."""
+SAMPLE_FILE = ROOT / "mutants" / "sample.json"
+
+
+def run(children: int, sample: int, seed: int) -> None:
+    import mutmut
+
+    version = getattr(mutmut, "__version__", None)
+    if version and version != MUTMUT:
+        sys.exit(f"mutmut {version} found; this script reads the state files of mutmut {MUTMUT}")
+    env = {**os.environ, "DIAGNOSE_SHARED_TRACES": str(ROOT.parent / "shared" / "traces")}
+    cmd = ["mutmut", "run", "--max-children", str(children)]
+    if sample <= 0:
+        subprocess.run(cmd, cwd=ROOT, env=env, check=False)
+        SAMPLE_FILE.unlink(missing_ok=True)
+        return
+    subprocess.run(cmd + [FIRST], cwd=ROOT, env=env, check=False)
+    names = sorted(n for codes in results().values() for n in codes)
+    chosen = sorted(random.Random(seed).sample(names, min(sample, len(names))))
+    SAMPLE_FILE.write_text(json.dumps({"seed": seed, "of": len(names), "mutants": chosen}))
+    subprocess.run(cmd + chosen, cwd=ROOT, env=env, check=False)
+
+
+def results() -> dict[str, dict[str, int | None]]:
+    """{file: {mutant name: exit code}} from mutmut's state files."""
+    out = {}
+    for meta in sorted((ROOT / "mutants" / TARGET).glob("*.py.meta")):
+        data = json.loads(meta.read_text())
+        out[meta.name.removesuffix(".meta")] = data["exit_code_by_key"]
+    return out
+
+
+def changed_line(name: str) -> str:
+    """The mutant's change as '-old / +new' (from `mutmut show`)."""
+    res = subprocess.run(["mutmut", "show", name], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    minus = [ln[1:].strip() for ln in res.stdout.splitlines() if ln.startswith("-") and not ln.startswith("---")]
+    plus = [ln[1:].strip() for ln in res.stdout.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    return f"`{' '.join(minus)[:140]}` -> `{' '.join(plus)[:140]}`"
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% interval of a proportion k/n (Wilson): the score of a sample, as a range."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    mid, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (mid - half) / (1 + z * z / n), (mid + half) / (1 + z * z / n)
+
+
+def report(by_file: dict[str, dict[str, int | None]], show: bool) -> str:
+    rows, survivors, totals = [], defaultdict(list), Counter()
+    sample = json.loads(SAMPLE_FILE.read_text()) if SAMPLE_FILE.exists() else None
+    if sample is not None:  # only the sampled mutants count (the first one run may not be among them)
+        keep = set(sample["mutants"])
+        by_file = {f: {k: v for k, v in codes.items() if k in keep} for f, codes in by_file.items()}
+    for f, codes in by_file.items():
+        c = Counter("killed" if v in KILLED else "survived" if v in SURVIVED else "no tests" if v in NO_TESTS
+                    else "not checked" if v is None else "other" for v in codes.values())
+        judged = c["killed"] + c["survived"] + c["no tests"]
+        totals.update(c)
+        rows.append((f, c, c["killed"] / judged if judged else None))
+        survivors[f] = sorted(k for k, v in codes.items() if v in SURVIVED or v in NO_TESTS)
+    judged = totals["killed"] + totals["survived"] + totals["no tests"]
+    score = totals["killed"] / judged if judged else 0.0
+    lo, hi = wilson(totals["killed"], judged)
+    how = (f"a random sample of {len(sample['mutants'])} of the {sample['of']} mutants (seed {sample['seed']}; "
+           f"95% interval of the whole score: {lo:.1%} to {hi:.1%})" if sample else "every mutant")
+    lines = ["# Mutation score of the checklist (`diagnose/analyzers/`)", "",
+             f"`python benchmarks/mutation.py` (mutmut {MUTMUT}, the fast tests in pyproject.toml's "
+             f"[tool.mutmut]), on {how}. Score = killed / (killed + survived + no test reaches it); a "
+             "timeout counts as killed.", "",
+             f"**Score: {score:.1%}** ({totals['killed']} killed, {totals['survived']} survived, "
+             f"{totals['no tests']} reached by no test, {totals['not checked']} not run)", "",
+             "| file | killed | survived | no test | score |", "|---|---|---|---|---|"]
+    for f, c, s in rows:
+        lines.append(f"| {f} | {c['killed']} | {c['survived']} | {c['no tests']} | "
+                     f"{'-' if s is None else format(s, '.1%')} |")
+    if show:
+        lines += ["", "## Surviving mutants", ""]
+        for f, names in survivors.items():
+            if names:
+                lines += [f"### {f}", ""]
+                lines += [f"- `{n.rsplit('.', 1)[-1]}`: {changed_line(n)}" for n in names]
+                lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--report", action="store_true", help="report the last run only")
+    ap.add_argument("--children", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--no-show", action="store_true", help="skip listing each survivor's change (slow)")
+    ap.add_argument("--sample", type=int, default=600,
+                    help="mutants to run, drawn at random (0: all of them, about 8 hours on 2 cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    if not a.report:
+        run(a.children, a.sample, a.seed)
+    text = report(results(), show=not a.no_show)
+    print(text.split("## Surviving")[0])
+    (ROOT / "docs" / "mutation.md").write_text(text, encoding="utf-8")
+    print(f"wrote {ROOT / 'docs' / 'mutation.md'}")
+
+
+if __name__ == "__main__":
+    main()
