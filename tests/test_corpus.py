@@ -62,10 +62,18 @@ OK = ["list_form", "gzip_named_json", "single_step", "thousands_of_steps", "huge
 EXTRA_ARGS = {"decompression_bomb": ["--max-trace-gb", "0.1"]}
 
 
+_CORPUS: dict[str, Path] = {}
+"""The corpus, built once per process (no analyzer code makes it): a mutation run's forked test
+sessions (benchmarks/mutation.py) reuse it instead of rebuilding it for every mutant."""
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict[str, Path]:
     # a real job recorded once (tests/fixtures/cpu_straggler_2rank/README.md): no torchrun per run
-    return make_corpus(tmp_path_factory.mktemp("corpus"), PAIR, GPU if GPU.exists() else None)
+    if not _CORPUS or not all(p.exists() for p in _CORPUS.values()):
+        _CORPUS.clear()
+        _CORPUS.update(make_corpus(tmp_path_factory.mktemp("corpus"), PAIR, GPU if GPU.exists() else None))
+    return _CORPUS
 
 
 @pytest.fixture(scope="module")

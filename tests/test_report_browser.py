@@ -83,13 +83,6 @@ def test_hostile_report_runs_nothing(tmp_path):
     assert_charts_drew(dom, attrs)  # the hostile labels did not break the charts either
 
 
-@pytest.mark.parametrize("name", ["kineto_resnet50_dataloader_v100/nw0", "edge_hta_cpu_only_gloo_rank34of300"])
-def test_analyze_pages_draw_without_console_warnings(tmp_path, name):
-    """(The DLRM page, with the most charts, is checked by test_dlrm_report_renders.)"""
-    dom, attrs = dump(diagnosis_json(name), tmp_path)
-    assert_charts_drew(dom, attrs)
-
-
 def test_diff_page_draws_without_console_warnings(tmp_path):
     from diagnose.diff import diff_diagnoses
     from diagnose.reports.diff import render_diff

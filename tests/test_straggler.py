@@ -127,3 +127,28 @@ def test_a_rank_always_last_by_a_hair_costs_nothing_and_passes(tmp_path):
     write_ranks(tmp_path, [{0: 20.0}] * 12)
     c = straggler(diagnose_paths([tmp_path]))
     assert c.status == "passed" and "below the 5% threshold" in c.reason, c.reason
+
+
+@pytest.mark.parametrize("df", [2, 5, 30])
+@pytest.mark.parametrize("t", [0.1, 0.7, 1.5, 4.0])
+def test_t_tail_matches_the_integrated_density(t, df):
+    """Both branches of the incomplete beta function (small and large t), against the t density
+    integrated numerically in the test (mid-point rule on [t, t + 2000])."""
+    import numpy as np
+
+    x = np.linspace(t, t + 2000.0, 4_000_001)
+    mid = (x[:-1] + x[1:]) / 2
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    tail = float(np.sum(c * (1 + mid * mid / df) ** (-(df + 1) / 2)) * (x[1] - x[0]))
+    assert t_sf(t, df) == pytest.approx(tail, abs=2e-5)
+
+
+def test_mean_lateness_test_says_nothing_on_too_little_or_no_excess():
+    import numpy as np
+
+    from diagnose.analyzers.straggler import mean_positive_p
+
+    assert mean_positive_p(np.array([3.0])) == 1.0                 # one difference: no test
+    assert mean_positive_p(np.array([-1.0, -2.0, np.nan])) == 1.0  # early on average
+    assert mean_positive_p(np.array([2.0, 2.0, 2.0])) == 0.0        # always the same lateness
+    assert 0.0 < mean_positive_p(np.array([1.0, 3.0, 2.0, 2.5])) < 0.01
