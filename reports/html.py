@@ -126,7 +126,7 @@ def _timeline_section(extras: dict, cs: ChartSet) -> str:
     others = [(str(k), _dict(v)) for k, v in _dict(tl.get("other_steps")).items() if k in ("slowest", "fastest")]
     views = [("median", tl)] + others
     charts_html = []
-    for i, (which, t) in enumerate(views):
+    for which, t in views:
         fig = charts.step_timeline(t, f"{which} step" if len(views) > 1 else "")
         if fig is None:
             continue
