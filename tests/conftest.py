@@ -75,7 +75,7 @@ def _run(path: str, key: str):
 
 
 @functools.cache
-def _diagnosis(path: str, mutant: str):
+def _diagnosis(path: str, mutant: str, floors: bool = False):
     """A diagnosis as `diagnose analyze` makes it (diagnose_paths), from the cached load."""
     import dataclasses
 
@@ -86,13 +86,26 @@ def _diagnosis(path: str, mutant: str):
     run = _run(path, _load_key())
     probes = load_probe_data([path])
     extra = [w for p in probes.values() for w in p.warnings]
-    return diagnose_run(dataclasses.replace(run, warnings=run.warnings + extra) if extra else run, DEFAULT, probes)
+    th = dataclasses.replace(DEFAULT, **dict.fromkeys(FLOORS, 0.0)) if floors else DEFAULT
+    return diagnose_run(dataclasses.replace(run, warnings=run.warnings + extra) if extra else run, th, probes)
+
+
+FLOORS = ("input_bound", "input_stall", "communication", "straggler", "launch_overhead", "cpu_op_overhead",
+          "pipeline_bubble", "checkpoint", "host_sync", "device_wait", "healthy_floor_ms")
+"""Every floor a time check flags from: all at zero, every check that can measure its cause flags."""
 
 
 def shared_diagnosis(name: str):
     """The diagnosis of one shared trace set with default thresholds, made once per test session
     (a Diagnosis is frozen: tests read it, never change it)."""
     return _diagnosis(str(shared(name)), _mutant())
+
+
+def floor_diagnosis(name: str):
+    """The diagnosis of one shared trace set with every flag floor at zero: each check that can
+    measure its cause flags, so the finding it would print just past its threshold (ranks, cited
+    events, confidence, notes) can be read and pinned on every trace, not only where it fires."""
+    return _diagnosis(str(shared(name)), _mutant(), True)
 
 
 def fixture_diagnosis(path: Path):
@@ -103,6 +116,11 @@ def fixture_diagnosis(path: Path):
 def shared_run(name: str):
     """One shared trace set loaded as a Run, once per test session (read it, never change it)."""
     return _run(str(shared(name)), _load_key())
+
+
+def fixture_run(path: Path):
+    """A recorded job kept in tests/fixtures, loaded as a Run once per test session."""
+    return _run(str(path), _load_key())
 
 
 def run_dir(out: Path) -> Path:

@@ -19,7 +19,7 @@ from diagnose.analyzers.common import flag_or_pass
 from diagnose.model import Finding
 from diagnose.pipeline import diagnose_paths
 from diagnose.thresholds import DEFAULT, Thresholds
-from tests.conftest import shared, shared_diagnosis
+from tests.conftest import floor_diagnosis, shared, shared_diagnosis
 
 SETS = ["kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/nw4", "param_dlrm_8rank_v100",
         "hta_sampled_2rank_of128", "hta_nccl_data_rank0of2_a100", "edge_hta_ddp_world1_v100",
@@ -120,10 +120,12 @@ def test_cpu_only_traces_say_gpu_checks_cannot_be_measured():
 
 
 # ---- evidence is where the report says it is -------------------------------------------------------
+@pytest.mark.parametrize("floors", [False, True], ids=["default", "floors"])
 @pytest.mark.parametrize("name", SETS)
-def test_every_cited_event_exists_in_the_raw_file_exactly_as_cited(name):
-    """Catches: evidence ts_us/dur_us shifted (aligned clock, a row off by one), names mangled."""
-    d = diagnosis(name)
+def test_every_cited_event_exists_in_the_raw_file_exactly_as_cited(name, floors):
+    """Catches: evidence ts_us/dur_us shifted (aligned clock, a row off by one), names mangled.
+    With every floor at zero, each check that measures its cause flags: its evidence is checked too."""
+    d = floor_diagnosis(name) if floors else diagnosis(name)
     root = shared(name)
     cited = [(f.id, e) for f in d.findings for e in f.events]
     for fid, e in cited:
@@ -270,3 +272,25 @@ def test_input_stall_flags_blocking_copies_from_its_threshold(tmp_path, copy_us,
     c = check(diagnose_paths([tmp_path]), "input_stall")
     assert c.measured_ms == pytest.approx(copy_us / 1000, abs=0.01)
     assert (c.status == "flagged") is flagged, c.reason
+
+
+# ---- pipeline bubbles: m read from torch.distributed.pipelining's own labels -----------------------
+def test_microbatches_and_bound_of_a_scheduled_pipeline_come_from_its_labels():
+    """tests/fixtures/cpu_pipelining_2rank (ScheduleGPipe, 2 stages): m is the number of distinct
+    'Forward i' ranges in a profiled step, counted here from the raw file, and the bound is GPipe's
+    (p - 1) / (m + p - 1). Catches: m from the transfer count instead, a stage count off by one."""
+    from tests.conftest import fixture_diagnosis
+
+    root = Path(__file__).resolve().parent / "fixtures" / "cpu_pipelining_2rank"
+    per_step = []
+    for path in sorted(root.glob("*.pt.trace.json.gz")):
+        evs = [e for e in json.load(gzip.open(path, "rt"))["traceEvents"] if e.get("ph") == "X"]
+        for s in (e for e in evs if str(e["name"]).startswith("ProfilerStep#")):
+            lo, hi = s["ts"], s["ts"] + s["dur"]
+            per_step.append(len({e["name"] for e in evs if str(e["name"]).startswith("Forward ")
+                                 and lo <= e["ts"] < hi}))
+    m = int(np.median(per_step))
+    c = check(fixture_diagnosis(root), "pipeline_bubble")
+    metrics = c.finding.metrics
+    assert (metrics["microbatches"], metrics["microbatches_source"], metrics["stages"]) == (m, "micro-batch labels", 2)
+    assert metrics["bound_fraction"] == pytest.approx((2 - 1) / (m + 2 - 1), abs=1e-4)

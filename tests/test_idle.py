@@ -255,6 +255,10 @@ def test_missing_device_events_lower_the_idle_checks_confidence(tmp_path):
     f = check(after, "launch_overhead").finding
     assert f.confidence == "low"
     assert "have no device event" in f.metrics["note"]
+    # host_sync reads the same idle classes: the same note, the same lowered confidence
+    assert check(before, "host_sync").finding.confidence == "high"
+    f = check(after, "host_sync").finding
+    assert f.confidence == "low" and "have no device event" in f.metrics["note"]
 
 
 def test_device_clock_ahead_of_host_is_reported_and_lowers_confidence(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -290,3 +291,141 @@ def test_data_parallel_replicas_from_the_wrapper_or_equal_parameter_counts():
     same = {r: memory._rank_memory(r, _meta("Adam", 1000, 4, 2)) for r in range(4)}
     assert memory._dp_size(ctx(""), same) == 4
     assert memory._dp_size(ctx("", world=8), same) == 1  # only 4 of 8 ranks seen
+
+
+def _memory_check(meta: dict):
+    """device_memory on a real GPU trace with one rank's probe sidecar (the probe's own format)."""
+    import pandas as pd
+
+    from diagnose.probedata import ProbeData
+
+    ctx = build_context(shared_run("hta_nccl_data_rank0of2_a100"),
+                        {0: ProbeData(rank=0, meta=meta, steps=pd.DataFrame(), collectives=pd.DataFrame())})
+    (c,) = memory.analyze(ctx, DEFAULT)
+    return c
+
+
+def test_memory_with_room_on_a_gpu_names_every_part_of_the_peak():
+    """A GPU rank's peaks split into model state (arithmetic), activations (the residual) and the
+    allocator's cache (reserved minus allocated), with the headroom said in the reason."""
+    p, gb = 10_000_000, 10**9
+    meta = {**_meta("Adam", p, 4, 2), "device_memory": {
+        "peak_allocated_bytes": 16 * p + 300_000_000, "peak_reserved_bytes": 16 * p + 400_000_000,
+        "total_bytes": 8 * gb}}
+    c = _memory_check(meta)
+    assert (c.status, c.title) == ("passed", memory.TITLE)
+    f = c.finding
+    assert (f.kind, f.recoverable_ms, f.ranks) == ("capacity", 0.0, (0,))
+    m = f.metrics
+    assert m["optimizer_state_tensors_per_param"] == 2 and m["optimizer_state_bytes"] == 8 * p
+    assert (m["activations_bytes"], m["activations_source"]) == (300_000_000, "measured residual")
+    assert (m["peak_reserved_bytes"], m["other_bytes"]) == (16 * p + 400_000_000, 100_000_000)
+    assert m["device"] == "cuda" and m["headroom"] == pytest.approx(1 - 0.56 / 8, abs=1e-4)
+    assert c.reason == ("peak 560.00 MB reserved of 8.00 GB (93% free); 10,000,000 params x 16.0 B (4 B weights "
+                        "+ 4 B grads + 8 B optimizer state: 2 tensor(s)/param) = 160.00 MB model state per rank "
+                        "(by arithmetic), activations 300.00 MB")
+    # the device's size unknown: the peak alone, never a made-up headroom
+    no_total = {**meta, "device": "cuda", "device_memory": {k: v for k, v in meta["device_memory"].items()
+                                                             if k != "total_bytes"}}
+    c = _memory_check(no_total)
+    assert c.status == "passed" and "headroom" not in c.finding.metrics
+    assert c.reason.startswith("peak 460.00 MB allocated (device size unknown); ")
+
+
+def test_memory_without_device_peaks_gives_the_model_state_and_says_what_it_cannot():
+    c = _memory_check({**_meta("Shampoo", 1000, 4, None), "device": "cpu"})
+    assert c.status == "not_measurable" and c.title == memory.TITLE
+    assert c.reason.startswith("device memory not measurable on CPU (no device peaks); model state: 1,000 params")
+    f = c.finding
+    assert f.confidence == "medium" and f.kind == "capacity"
+    # an optimizer the tool does not know: its state is said to be unknown, not guessed
+    assert f.metrics["optimizer_state_bytes"] == "unknown" and f.metrics["optimizer_state_tensors_per_param"] == "unknown"
+    assert f.metrics["activations_bytes"] == "not measurable (no device peaks)"
+    assert "frees up to the activations (not measurable here)" in f.fix
+
+
+def test_plain_sgd_keeps_no_optimizer_state_and_fsdp_is_not_told_to_shard():
+    p = 1_000_000
+    m = memory._rank_memory(0, _meta("SGD", p, 4, None))
+    assert (m.state_per_param, m.state) == (0, 0)
+    c = _memory_check({**_meta("SGD", p, 4, None, wrapper="FullyShardedDataParallel"), "device_memory": {
+        "peak_allocated_bytes": 8 * p + 1_000_000, "peak_reserved_bytes": 8 * p + 2_000_000, "total_bytes": 10**9}})
+    assert c.finding.metrics["optimizer_state_tensors_per_param"] == 0
+    assert "4. sharding: already fully sharded (FSDP)" in c.finding.fix
+
+
+def test_host_syncs_cannot_be_seen_when_the_runtime_events_were_filtered_out(tmp_path):
+    """A real GPU trace with its CUDA runtime/driver events removed (a filtered export): kernels
+    are there, the calls that block on them are not, so the check says it cannot see them."""
+    from diagnose.pipeline import diagnose_paths
+
+    src = shared("hta_nccl_data_rank0of2_a100") / "nccl_data.json.gz"
+    doc = json.loads(gzip.decompress(src.read_bytes()))
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") not in ("cuda_runtime", "cuda_driver")]
+    (tmp_path / "rank0.json").write_text(json.dumps(doc))
+    d = diagnose_paths([tmp_path])
+    c = next(c for c in d.checks if c.id == host_sync.ID)
+    assert c.status == "not_measurable"
+    assert c.reason == ("no CUDA/HIP runtime events in the trace (sampled or filtered): synchronising calls "
+                        "cannot be seen")
+
+
+def test_a_distributed_trace_without_its_collectives_says_communication_was_not_recorded(tmp_path):
+    """rank 0 of 2 (distributedInfo says so) with every NCCL kernel and c10d op removed: no
+    collective to time is not 'no communication' (that is only true of a single process)."""
+    import re
+
+    from diagnose.pipeline import diagnose_paths
+
+    src = shared("hta_nccl_data_rank0of2_a100") / "nccl_data.json.gz"
+    doc = json.loads(gzip.decompress(src.read_bytes()))
+    comm = re.compile(r"nccl|c10d|record_param_comms|all_?reduce|gloo", re.I)
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if not comm.search(str(e.get("name", "")))]
+    (tmp_path / "rank0.json").write_text(json.dumps(doc))
+    c = next(c for c in diagnose_paths([tmp_path]).checks if c.id == "exposed_communication")
+    assert (c.status, c.reason) == ("not_measurable", "no collective events in the trace (NCCL kernels or gloo "
+                                    "ops); the profiler may not have recorded communication")
+
+
+# ---- checkpoint I/O: the risks and the cadence, on the recorded job's steps ---------------------
+CKPT = Path(__file__).resolve().parent / "fixtures" / "cpu_checkpoint_2rank"
+
+
+def _checkpoint_check(saves: dict[int, list[dict]]):
+    """checkpoint_io on the recorded 2-rank job (its traces and every-step logs) with the saves
+    its probes would record for another checkpointing scheme."""
+    from dataclasses import replace
+
+    from diagnose.analyzers import checkpoint
+    from diagnose.probedata import load_probe_data
+    from tests.conftest import fixture_run
+
+    probes = {r: replace(p, meta={**p.meta, "checkpoints": saves.get(r, [])})
+              for r, p in load_probe_data([CKPT]).items()}
+    (c,) = checkpoint.analyze(build_context(fixture_run(CKPT), probes), DEFAULT)
+    return c, probes
+
+
+def test_a_sharded_atomic_save_on_every_rank_raises_no_risk_but_its_cost():
+    saves = {r: [{"api": "dcp.save", "step": s, "ms": 30.0, "bytes": 2_000_000, "rank": r, "direct": False}
+                 for s in (4, 8)] for r in (0, 1)}
+    c, probes = _checkpoint_check(saves)
+    m = c.finding.metrics
+    assert m["writing_ranks"] == "0, 1" and m["risk_single_writer"] == "no" and m["risk_direct_writes"] == "none"
+    assert m["risk_synchronous"] == "4 of 4 saves block the loop (torch.save / dcp.save)"
+    assert (m["every_n_steps"], m["checkpoints"], m["write_mb_per_s"]) == (4, 2, 66.7)  # 2 MB in 30 ms
+    n = len(probes[0].steps)
+    assert c.finding.recoverable_ms == pytest.approx(60.0 / n, abs=1e-3)
+    assert "shard the write" not in c.finding.fix and "write atomically" not in c.finding.fix
+    assert "or checkpoint less often: every 4 steps" in c.finding.fix
+    assert c.reason.endswith("; risks: synchronous")
+
+
+def test_one_asynchronous_save_has_no_cadence_and_no_write_speed():
+    c, _ = _checkpoint_check({0: [{"api": "dcp.async_save", "step": 5, "ms": 0.0, "rank": 0, "direct": False,
+                                   "bytes": 2_000_000}]})
+    m = c.finding.metrics
+    assert m["every_n_steps"] == "once" and "checkpoint less often" not in c.finding.fix
+    assert m["risk_synchronous"] == "none (async_save)" and "write_mb_per_s" not in m  # 0 ms: no speed
+    assert m["risk_single_writer"] == "rank 0 writes every checkpoint alone"
+    assert c.status == "passed" and c.reason.endswith("; risks: rank 0 writes alone")
