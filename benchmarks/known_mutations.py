@@ -52,7 +52,7 @@ def main() -> int:
             copy = Path(tmp) / "repo"
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache",
-                                                                        ".hypothesis", "runs", "diagnosis"))
+                                                                        ".hypothesis", "runs", "diagnosis", "mutants"))
             target = copy / path
             text = target.read_text()
             if text.count(old) != 1:

@@ -57,8 +57,19 @@ def run(children: int, sample: int, seed: int) -> None:
     subprocess.run(cmd + [FIRST], cwd=ROOT, env=env, check=False)
     names = sorted(n for codes in results().values() for n in codes)
     chosen = sorted(random.Random(seed).sample(names, min(sample, len(names))))
-    SAMPLE_FILE.write_text(json.dumps({"seed": seed, "of": len(names), "mutants": chosen}))
+    SAMPLE_FILE.write_text(json.dumps({"seed": seed, "of": len(names), "mutants": chosen, "tested": _head()}))
     subprocess.run(cmd + chosen, cwd=ROOT, env=env, check=False)
+
+
+def _head() -> str:
+    """The commit the run tests (and whether the working tree differed from it), with the date."""
+    git = ["git", "-C", str(ROOT)]
+    sha = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    import datetime
+
+    return f"{sha or 'unknown commit'}{' plus uncommitted changes' if dirty else ''}, {datetime.date.today()}"
 
 
 def results() -> dict[str, dict[str, int | None]]:
@@ -144,6 +155,8 @@ def report(by_file: dict[str, dict[str, int | None]], show: bool) -> str:
     lo, hi = wilson(totals["killed"], judged)
     how = (f"a random sample of {len(sample['mutants'])} of the {sample['of']} mutants (seed {sample['seed']}; "
            f"95% interval of the whole score: {lo:.1%} to {hi:.1%})" if sample else "every mutant")
+    if sample and sample.get("tested"):
+        how += f", code and tests of {sample['tested']}"
     lines = ["# Mutation score of the checklist (`diagnose/analyzers/`)", "",
              f"`python benchmarks/mutation.py` (mutmut {MUTMUT}, the fast tests in pyproject.toml's "
              f"[tool.mutmut]), on {how}. Score = killed / (killed + survived + no test reaches it); a "

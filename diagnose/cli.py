@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from diagnose import __version__
 from diagnose.errors import DiagnoseError, one_line
+from diagnose.output import HtaOptions, analyze_outputs
 
 
 def fail(msg: str) -> None:
@@ -60,73 +59,6 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
     except DiagnoseError as exc:
         fail(str(exc))
     return 0
-
-
-class ProgressLine:
-    """'reading traces: 3/8 ranks, 12.4 s' on one rewritten stderr line, for loads that take a
-    while (nothing for the first second); only on a terminal, so logs and pipes stay clean."""
-
-    def __init__(self, after_s: float = 1.0) -> None:
-        self.t0 = time.monotonic()
-        self.after_s = after_s
-        self.shown = False
-
-    def __call__(self, done: int, total: int, name: str) -> None:
-        elapsed = time.monotonic() - self.t0
-        if elapsed < self.after_s and not self.shown:
-            return
-        self.shown = True
-        click.echo(f"\rreading traces: {done}/{total} ranks, {elapsed:.1f} s (last: {one_line(name)[:60]})\x1b[K",
-                   err=True, nl=False)
-
-    def close(self) -> None:
-        if self.shown:
-            click.echo("\r\x1b[K", err=True, nl=False)
-
-
-@dataclass(frozen=True, slots=True)
-class HtaOptions:
-    budget_mb: float = 256.0
-    timeout_s: float = 180.0
-
-
-def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
-                    echo: bool = True, hta: HtaOptions | None = None, probe_paths: list[str] | None = None) -> None:
-    """The shared tail of every diagnosing command; raises DiagnoseError on bad input."""
-    from diagnose.output import terminal_summary, write_json
-    from diagnose.pipeline import diagnose_paths
-
-    progress = ProgressLine() if echo and sys.stderr.isatty() else None
-    try:
-        d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs, progress=progress,
-                           probe_paths=probe_paths)
-    finally:
-        if progress is not None:
-            progress.close()
-    if hta is not None:
-        from diagnose.hta import attach_hta
-
-        d = attach_hta(d, paths, budget_mb=hta.budget_mb, timeout_s=hta.timeout_s)
-    try:
-        write_json(d, out)
-        written = [out / "diagnosis.json"]
-        try:
-            from diagnose.reports.html import write_report
-        except ImportError:
-            write_report = None
-        if write_report is not None:
-            written.append(write_report(d, out))
-    except OSError as exc:
-        raise DiagnoseError(f"cannot write outputs ({exc.strerror or exc})", out) from None
-    if echo:
-        click.echo(terminal_summary(d))
-        click.echo("")
-        if hta is not None:
-            from diagnose.hta import hta_summary
-
-            click.echo(hta_summary(d))
-            click.echo("")
-        click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
 @main.command()

@@ -239,7 +239,7 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
             # never diagnose anything else: a verdict here could only come from a stale file
             click.echo(f"diagnose: the job wrote no traces (exit {code}); nothing to analyse", err=True)
             return RunOutcome(code, run_dir, "no_traces")
-        from diagnose.cli import analyze_outputs
+        from diagnose.output import analyze_outputs
 
         try:
             analyze_outputs([str(traces)], run_dir, echo=echo)

@@ -1,14 +1,20 @@
-"""Write diagnosis.json and render the terminal summary (no verdicts computed here)."""
+"""What a diagnosis becomes: diagnosis.json, the terminal summary, and (analyze_outputs, the shared
+tail of `analyze`, `run` and `capture`) the report beside them. No verdicts are computed here; the
+launcher and the CLI both call down to this module, never into each other."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import click
 import orjson
 
 from diagnose import __version__
-from diagnose.errors import one_line
+from diagnose.analyzers.memory import human  # sizes as a person writes them, one formatter for the tool
+from diagnose.errors import DiagnoseError, one_line
 from diagnose.model import Diagnosis
 from diagnose.probes.safefs import write_atomic  # the one safe writer, shared with the probes
 
@@ -99,6 +105,20 @@ def terminal_summary(d: Diagnosis) -> str:
     lines.append("checklist:")
     for c in d.checks:
         lines.append(f"  [{c.status:^14}] {c.id}: {c.reason}")
+    groups = (d.extras.get("comm_groups") or {}).get("groups") or []
+    if groups:
+        lines.append("")
+        lines.append("communication by group (exposed ms per step on the median rank; medians of size, transfer "
+                     "and nccl-tests' bus bandwidth where sizes are recorded):")
+        for g in groups[:8]:
+            name = f"group {g['group']} ({g['ranks']} ranks) {g['kind']} x{g['count']}" if g["group"] else g["kind"]
+            line = f"  {name}: {g['exposed_ms_per_step']:.2f} ms exposed"
+            if g["sized"]:
+                bus = f"{g['busbw_gbps']:.2f} GB/s bus" if g["busbw_gbps"] is not None else "no bus bandwidth"
+                wait = "; includes waits: one rank loaded" if g["transfer"].startswith("own") else ""
+                line += (f"; {human(g['median_bytes'])} in {g['median_transfer_ms']:.2f} ms, {bus} "
+                         f"[{g['regime']}{wait}]")
+            lines.append(line)
     if d.warnings:
         lines.append("")
         lines.append("warnings:")
@@ -106,3 +126,71 @@ def terminal_summary(d: Diagnosis) -> str:
         if len(d.warnings) > 20:
             lines.append(f"  ... and {len(d.warnings) - 20} more (see diagnosis.json)")
     return "\n".join(one_line(line) for line in lines)
+
+
+# ---- the shared tail of every diagnosing command (analyze, run, capture): diagnose, write, print ----
+class ProgressLine:
+    """'reading traces: 3/8 ranks, 12.4 s' on one rewritten stderr line, for loads that take a
+    while (nothing for the first second); only on a terminal, so logs and pipes stay clean."""
+
+    def __init__(self, after_s: float = 1.0) -> None:
+        self.t0 = time.monotonic()
+        self.after_s = after_s
+        self.shown = False
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        elapsed = time.monotonic() - self.t0
+        if elapsed < self.after_s and not self.shown:
+            return
+        self.shown = True
+        click.echo(f"\rreading traces: {done}/{total} ranks, {elapsed:.1f} s (last: {one_line(name)[:60]})\x1b[K",
+                   err=True, nl=False)
+
+    def close(self) -> None:
+        if self.shown:
+            click.echo("\r\x1b[K", err=True, nl=False)
+
+
+@dataclass(frozen=True, slots=True)
+class HtaOptions:
+    budget_mb: float = 256.0
+    timeout_s: float = 180.0
+
+
+def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
+                    echo: bool = True, hta: HtaOptions | None = None, probe_paths: list[str] | None = None) -> None:
+    """The shared tail of every diagnosing command; raises DiagnoseError on bad input."""
+    from diagnose.output import terminal_summary, write_json
+    from diagnose.pipeline import diagnose_paths
+
+    progress = ProgressLine() if echo and sys.stderr.isatty() else None
+    try:
+        d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs, progress=progress,
+                           probe_paths=probe_paths)
+    finally:
+        if progress is not None:
+            progress.close()
+    if hta is not None:
+        from diagnose.hta import attach_hta
+
+        d = attach_hta(d, paths, budget_mb=hta.budget_mb, timeout_s=hta.timeout_s)
+    try:
+        write_json(d, out)
+        written = [out / "diagnosis.json"]
+        try:
+            from diagnose.reports.html import write_report
+        except ImportError:
+            write_report = None
+        if write_report is not None:
+            written.append(write_report(d, out))
+    except OSError as exc:
+        raise DiagnoseError(f"cannot write outputs ({exc.strerror or exc})", out) from None
+    if echo:
+        click.echo(terminal_summary(d))
+        click.echo("")
+        if hta is not None:
+            from diagnose.hta import hta_summary
+
+            click.echo(hta_summary(d))
+            click.echo("")
+        click.echo("wrote " + ", ".join(str(p) for p in written))

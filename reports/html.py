@@ -166,6 +166,43 @@ def _top_ops_section(extras: dict) -> str:
             + "".join(parts))
 
 
+def _decimal_bytes(v: float) -> str:
+    """Sizes in powers of 1000 here, as the GB/s beside them (and as the terminal prints them)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(v) >= size:
+            return f"{v / size:,.2f} {unit}"
+    return f"{v:,.0f} B"
+
+
+def _comm_groups_section(extras: dict) -> str:
+    """Communication per process group and collective kind (diagnose/step/bandwidth.py)."""
+    groups = [g for g in _list(_dict(extras.get("comm_groups")).get("groups")) if isinstance(g, dict)]
+    if not groups:
+        return ""
+
+    def cells(g: dict) -> str:
+        if not g.get("sized"):
+            return '<td class=muted colspan=6>sizes not recorded</td>'
+        return (f'<td class=num>{_decimal_bytes(num(g.get("median_bytes")) or 0.0)}</td>'
+                f'<td class=num>{fmt_ms(g.get("median_transfer_ms"), 3)}</td>'
+                f'<td class=num>{fmt_value(g.get("algbw_gbps"))}</td><td class=num>{fmt_value(g.get("busbw_gbps"))}</td>'
+                f'<td>{esc(g.get("regime"))}</td><td>{esc(g.get("transfer"))}</td>')
+
+    rows = "".join(f'<tr><td>{esc(g.get("group")) or "-"}</td><td>{esc(g.get("kind"))}</td>'
+                   f'<td class=num>{fmt_value(g.get("ranks"))}</td><td class=num>{fmt_value(g.get("count"))}</td>'
+                   f'<td class=num>{fmt_ms(g.get("exposed_ms_per_step"), 2)}</td>{cells(g)}</tr>' for g in groups)
+    return ('<h3 id="comm-groups">Communication by process group</h3><p class="muted">Exposed: the communication '
+            'not hidden under compute (nor waiting for the last rank), given to the collective running then, on '
+            'the median rank. Size, transfer and bandwidth are medians over the collectives whose size the trace '
+            'records; bus bandwidth as nccl-tests counts it, comparable with the link\'s peak. The transfer runs '
+            'from the last rank\'s arrival, so waiting for a late rank is not counted against the link (with one '
+            'rank loaded it is, and the table says so).</p>'
+            '<table class="comm-groups"><thead><tr><th>Group</th><th>Collective</th><th class=num>Ranks</th>'
+            '<th class=num>Count</th><th class=num>Exposed per step</th><th class=num>Size</th>'
+            '<th class=num>Transfer</th><th class=num>Alg. GB/s</th><th class=num>Bus GB/s</th><th>Regime</th>'
+            f'<th>Transfer measured</th></tr></thead><tbody>{rows}</tbody></table>')
+
+
 REPLAY_PARTS = {"dataloader": "DataLoader wait", "compute": "compute and host work", "communication": "communication",
                 "comm_wait": "waiting on a transfer in flight",
                 **{k: label for k, label, _, _ in charts.IDLE_CAUSES}}
@@ -274,7 +311,8 @@ def render(diagnosis: dict) -> str:
     breakdown_html = (_breakdown_section(_list(d.get("breakdown")), cs, composition=not timeline.get("ranks"))
                       + _timeline_section(_dict(d.get("extras")), cs)
                       + _replay_section(_dict(d.get("extras")), findings, cs)
-                      + _top_ops_section(_dict(d.get("extras"))))
+                      + _top_ops_section(_dict(d.get("extras")))
+                      + _comm_groups_section(_dict(d.get("extras"))))
     evidence = "".join(_finding_section(i, f, d, cs) for i, f in enumerate(findings, 1)) or \
         '<p class="muted">Nothing flagged, so no evidence to show.</p>'
     body = f"""<main>

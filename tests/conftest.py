@@ -75,7 +75,7 @@ def _run(path: str, key: str):
 
 
 @functools.cache
-def _diagnosis(path: str, mutant: str, floors: bool = False):
+def _diagnosis(path: str, mutant: str, overrides: tuple[tuple[str, float], ...] = ()):
     """A diagnosis as `diagnose analyze` makes it (diagnose_paths), from the cached load."""
     import dataclasses
 
@@ -86,7 +86,7 @@ def _diagnosis(path: str, mutant: str, floors: bool = False):
     run = _run(path, _load_key())
     probes = load_probe_data([path])
     extra = [w for p in probes.values() for w in p.warnings]
-    th = dataclasses.replace(DEFAULT, **dict.fromkeys(FLOORS, 0.0)) if floors else DEFAULT
+    th = dataclasses.replace(DEFAULT, **dict(overrides))
     return diagnose_run(dataclasses.replace(run, warnings=run.warnings + extra) if extra else run, th, probes)
 
 
@@ -105,7 +105,12 @@ def floor_diagnosis(name: str):
     """The diagnosis of one shared trace set with every flag floor at zero: each check that can
     measure its cause flags, so the finding it would print just past its threshold (ranks, cited
     events, confidence, notes) can be read and pinned on every trace, not only where it fires."""
-    return _diagnosis(str(shared(name)), _mutant(), True)
+    return _diagnosis(str(shared(name)), _mutant(), tuple((f, 0.0) for f in FLOORS))
+
+
+def threshold_diagnosis(path: Path, **thresholds: float):
+    """The diagnosis of a shared trace set or recorded job with these thresholds changed, once per session."""
+    return _diagnosis(str(path), _mutant(), tuple(sorted(thresholds.items())))
 
 
 def fixture_diagnosis(path: Path):

@@ -66,7 +66,7 @@ FLAG_LEVELS = ("input_bound", "input_stall", "communication", "straggler", "laun
 def test_a_finding_is_flagged_from_its_threshold_and_not_below(field):
     """Catches: the comparison in flag_or_pass (the one place every time check decides) turned
     strict or inverted; a floor moved off the documented 5% / 10%. Which floor each check passes
-    to it is not pinned here (per-check boundary tests are still to write)."""
+    to it: test_each_check_decides_at_its_own_threshold."""
     th = Thresholds()
     level = getattr(th, field)
     assert level in (0.05, 0.10), f"{field}={level}: the documented floors are 5% or 10% of the step"
@@ -294,3 +294,36 @@ def test_microbatches_and_bound_of_a_scheduled_pipeline_come_from_its_labels():
     metrics = c.finding.metrics
     assert (metrics["microbatches"], metrics["microbatches_source"], metrics["stages"]) == (m, "micro-batch labels", 2)
     assert metrics["bound_fraction"] == pytest.approx((2 - 1) / (m + 2 - 1), abs=1e-4)
+
+
+# ---- each check decides at its own threshold ------------------------------------------------------
+FIELD = {"dataloader_starvation": "input_bound", "input_stall": "input_stall", "exposed_communication": "communication",
+         "device_wait": "device_wait", "pipeline_bubble": "pipeline_bubble", "checkpoint_io": "checkpoint",
+         "host_sync": "host_sync"}
+"""Check -> the Thresholds field it flags from (launch_overhead: per device, below). The straggler's
+floor also chooses which ranks it names, so it has its own boundary tests (tests/test_straggler.py)."""
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.mark.parametrize("where", ["kineto_resnet50_dataloader_v100/nw0", "param_dlrm_8rank_v100",
+                                   "hta_sampled_2rank_of128", "cpu_pipeline_2rank", "cpu_checkpoint_2rank"])
+def test_each_check_decides_at_its_own_threshold(where):
+    """With every floor at zero each check that measures a cause flags, with the share it decides
+    on (the replay's where the step model is faithful); set that check's own threshold 0.3% of the
+    step above that share and it passes, 0.3% below and it flags. Catches: a check reading another
+    check's threshold, comparing a different figure from the one it reports, or a threshold moved."""
+    from tests.conftest import FLOORS, threshold_diagnosis
+
+    path = FIXTURES / where if where.startswith("cpu_") else shared(where)
+    floors = threshold_diagnosis(path, **dict.fromkeys(FLOORS, 0.0))
+    cpu = floors.run.device == "cpu"
+    tried = []
+    for f in floors.findings:
+        field = FIELD.get(f.id) or ({"launch_overhead": "cpu_op_overhead" if cpu else "launch_overhead"}.get(f.id))
+        if field is None or f.kind != "time" or f.share_of_step < 0.01 or f.recoverable_ms < 0.5:
+            continue
+        above = check(threshold_diagnosis(path, **{field: f.share_of_step + 0.003}), f.id)
+        below = check(threshold_diagnosis(path, **{field: f.share_of_step - 0.003}), f.id)
+        assert (above.status, below.status) == ("passed", "flagged"), (f.id, field, f.share_of_step)
+        tried.append(f.id)
+    assert tried, "no check measured a cause here"

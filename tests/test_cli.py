@@ -69,7 +69,7 @@ def test_diagnosis_json_contract(tmp_path):
     assert res.exit_code == 0, res.output
     assert res.output.startswith("VERDICT:")
     d = json.loads((tmp_path / "diagnosis.json").read_text())
-    assert d["schema_version"] == "1.3"
+    assert d["schema_version"] == "1.4"
     for b in d["breakdown"]:  # 1.1: other_ms split by why the device idled (GPU run)
         assert b["other_by_cause_ms"] and abs(sum(b["other_by_cause_ms"].values()) - b["other_ms"]) < 1e-3
     for key in ("world_size", "backend", "device", "steps_analysed", "ranks_found", "ranks_missing"):
@@ -102,7 +102,7 @@ def test_analyze_does_not_import_torch(tmp_path):
 
 
 def test_progress_line_only_after_a_while_and_cleared(capsys):
-    from diagnose.cli import ProgressLine
+    from diagnose.output import ProgressLine
 
     quiet = ProgressLine(after_s=60)
     quiet(1, 8, "rank0.json")

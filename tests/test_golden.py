@@ -11,8 +11,9 @@ After a deliberate change, regenerate and review the diff:
 
     DIAGNOSE_GOLDEN=update python -m pytest tests/test_golden.py
 
-Floats are compared at 4 significant digits (timestamps to the nanosecond): the figures are deterministic on one input, and the
-rounding keeps a last-bit difference between numpy builds from failing the test.
+Floats are compared at 4 significant digits (timestamps to the nanosecond): the figures are
+deterministic on one input, and the rounding keeps a last-bit difference between numpy builds from
+failing the test.
 """
 from __future__ import annotations
 

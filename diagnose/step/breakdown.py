@@ -18,6 +18,7 @@ from diagnose.model import StepBreakdown
 from diagnose.step.collectives import Matched
 from diagnose.step.idle import CLASSES
 from diagnose.step.intervals import Intervals, covered, intersect, merge, subtract, union
+from diagnose.step.timeline import RankTimeline
 
 
 def _wait_intervals(matched: Matched, rank: int, offset: float) -> Intervals:
@@ -30,6 +31,20 @@ def _wait_intervals(matched: Matched, rank: int, offset: float) -> Intervals:
     return union(end - mine["tail_wait"].to_numpy(), end)
 
 
+def _exposed_set(tl: RankTimeline) -> Intervals:
+    """Communication not hidden under compute (on CPU ranks, nor under DataLoader waits, which come first)."""
+    return subtract(tl.comm, tl.compute) if tl.is_gpu else subtract(subtract(tl.comm, tl.compute), tl.dataloader)
+
+
+def exposed_comm(run: Run, matched: Matched, rank: int) -> Intervals:
+    """The rank's communication that compute_breakdown books as exposed_comm: _exposed_set outside
+    its waits for the last rank alone. For splitting that time further (step/bandwidth.py), on the
+    rank's own clock."""
+    exposed_set = _exposed_set(run.timelines[rank])
+    waits = _wait_intervals(matched, rank, run.clock_offsets_us.get(rank, 0.0))
+    return subtract(exposed_set, waits) if len(waits) else exposed_set
+
+
 def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
     rows: list[StepBreakdown] = []
     for r in run.ranks:
@@ -37,15 +52,12 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
         lo = tl.steps["start"].to_numpy()
         hi = tl.steps["end"].to_numpy()
         step_us = hi - lo
+        compute = covered(tl.compute, lo, hi)
         if tl.is_gpu:
-            compute = covered(tl.compute, lo, hi)
-            exposed_set = subtract(tl.comm, tl.compute)
-            busy = merge(tl.compute, tl.comm)
-            dl = covered(subtract(tl.dataloader, busy), lo, hi)
+            dl = covered(subtract(tl.dataloader, merge(tl.compute, tl.comm)), lo, hi)
         else:
             dl = covered(tl.dataloader, lo, hi)
-            compute = covered(tl.compute, lo, hi)
-            exposed_set = subtract(subtract(tl.comm, tl.compute), tl.dataloader)
+        exposed_set = _exposed_set(tl)
         exposed = covered(exposed_set, lo, hi)
         waits = _wait_intervals(matched, r, run.clock_offsets_us.get(r, 0.0))
         wait = covered(intersect(exposed_set, waits), lo, hi) if len(waits) else np.zeros(lo.size)

@@ -1,0 +1,205 @@
+"""Communication by process group and collective kind: its exposed time, and what it moved and how fast.
+
+Exposed time: the communication the breakdown books as exposed (not hidden under compute, not
+the wait for the last rank), each instant given to the collective running then
+(exposed_by_group): what each kind of communication costs the step, summing to exposed_comm.
+
+For every collective whose message size is known (record_param_comms on NCCL traces, the probes'
+records or Input Dims on gloo), the transfer time is the time from the last rank's arrival to the
+collective's end where it is matched across ranks (step/collectives.py: the wait for late ranks
+is the straggler's, not the link's), else from the rank's own arrival (an upper bound: it
+includes any wait for peers, and the table says so).
+
+algbw = size / transfer time; busbw = algbw x the factor that makes it comparable with the
+link's peak whatever the collective (nccl-tests' PERFORMANCE.md): all-reduce 2(n-1)/n,
+all-gather, reduce-scatter and all-to-all (n-1)/n, broadcast, reduce and send/recv 1, for a
+group of n ranks. Size is nccl-tests' too: the trace records each rank's input ("In msg
+nelems" x dtype, or the input tensor), which is the whole buffer except for all-gather, whose
+size is its output, n x the input.
+
+A group's collectives are latency-bound when their median message is under SMALL_MESSAGE_BYTES:
+there a collective's time is mostly fixed per-call latency, and bus bandwidth keeps growing
+with size (nccl-tests' curves rise up to tens of MB), so a low busbw says "too many small
+messages", not "slow link".
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from diagnose.ingest.assemble import Run
+from diagnose.step.breakdown import exposed_comm
+from diagnose.step.collectives import KEY, Matched
+from diagnose.step.intervals import covered, intersect, union
+
+SMALL_MESSAGE_BYTES = 1024**2
+"""Under 1 MiB a collective is latency-bound (the communication check's "small collectives" too)."""
+
+_KINDS = (  # on the name lower-cased with _ and - removed; the first match wins (reduce last)
+    ("all_reduce", re.compile(r"allreduce")),
+    ("all_gather", re.compile(r"allgather")),
+    ("reduce_scatter", re.compile(r"reducescatter")),
+    ("all_to_all", re.compile(r"alltoall")),
+    ("broadcast", re.compile(r"broadcast|bcast")),
+    ("send_recv", re.compile(r"sendrecv|send|recv")),
+    ("barrier", re.compile(r"barrier")),
+    ("reduce", re.compile(r"reduce")),
+)
+
+
+def collective_kind(name: str) -> str:
+    """all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send_recv, barrier, reduce or
+    unknown, from an NCCL kernel's, a gloo op's or a c10d op's name."""
+    flat = re.sub(r"[_\-\s]", "", name.lower())
+    return next((kind for kind, pattern in _KINDS if pattern.search(flat)), "unknown")
+
+
+def bus_factor(kind: str, n: int) -> float | None:
+    """busbw / algbw for a collective of this kind over n ranks (None: no bandwidth to speak of)."""
+    if n < 1 or kind in ("barrier", "unknown"):
+        return None
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupComm:
+    """One (process group, collective kind): its exposed time and, where the trace records sizes,
+    what its collectives moved and how fast (medians over them)."""
+
+    group: str
+    kind: str
+    ranks: int
+    """Group size n (the trace's pg_config, else the world size, else the ranks loaded)."""
+    count: int
+    """Collectives in the profiled steps, summed over the ranks loaded."""
+    exposed_ms_per_step: float
+    """exposed_by_group: the median rank's exposed communication in these collectives."""
+    sized: int = 0
+    """Collectives of known size (the bandwidth figures below are over these; None when 0)."""
+    median_bytes: float | None = None
+    """nccl-tests' size: the buffer (an all-gather's output)."""
+    median_transfer_ms: float | None = None
+    algbw_gbps: float | None = None
+    """Median of size / transfer time, GB/s (10^9 bytes)."""
+    busbw_gbps: float | None = None
+    regime: str | None = None
+    """latency-bound (median message under SMALL_MESSAGE_BYTES) or bandwidth-bound."""
+    transfer: str | None = None
+    """matched across ranks (last arrival to end), own arrival (includes waits: a lower bound on the
+    bandwidth) or mixed."""
+
+
+def group_sizes(run: Run) -> dict[str, int]:
+    """Process group name -> size, from the traces' distributedInfo.pg_config."""
+    sizes: dict[str, int] = {}
+    for tr in run.traces.values():
+        info = tr.meta.get("distributedInfo")
+        for pg in (info.get("pg_config") or []) if isinstance(info, dict) else []:
+            if isinstance(pg, dict) and isinstance(pg.get("pg_size"), int) and pg["pg_size"] > 0:
+                sizes[str(pg.get("pg_name"))] = pg["pg_size"]
+    return sizes
+
+
+def comm_table(run: Run, matched: Matched) -> tuple[GroupComm, ...]:
+    """Every (group, kind) with a collective in the profiled steps, and the OUTSIDE row when some
+    exposed communication is in none; sorted by exposed time, largest first."""
+    exposed = exposed_by_group(run, matched)
+    frames = [tl.collectives.assign(rank=r) for r, tl in run.timelines.items() if len(tl.collectives)]
+    allc = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(KEY) + ["name", "bytes"])
+    allc = allc[allc["step"] >= 0]
+    allc = allc.assign(kind=allc["name"].astype(str).map(collective_kind), pg=allc["pg"].astype(str))
+    sizes = group_sizes(run)
+    world = run.world_size or len(run.ranks)
+    rows = []
+    for (pg, kind), g in allc.groupby(["pg", "kind"], sort=True):
+        n = sizes.get(str(pg), world)
+        rows.append(GroupComm(group=str(pg), kind=str(kind), ranks=int(n), count=len(g),
+                              exposed_ms_per_step=exposed.get((str(pg), str(kind)), 0.0),
+                              **_bandwidth(g, str(kind), n, matched)))
+    if OUTSIDE in exposed:
+        rows.append(GroupComm(group=OUTSIDE[0], kind=OUTSIDE[1], ranks=world, count=0,
+                              exposed_ms_per_step=exposed[OUTSIDE]))
+    return tuple(sorted(rows, key=lambda x: -x.exposed_ms_per_step))
+
+
+def _bandwidth(g: pd.DataFrame, kind: str, n: int, matched: Matched) -> dict:
+    """The size and speed fields of one group's collectives of known size ({} when none)."""
+    g = g[g["bytes"].to_numpy(dtype=float) > 0]
+    if g.empty:
+        return {}
+    transfer = (g["end"] - g["arrival"]).to_numpy(dtype=float, copy=True)
+    is_matched = np.zeros(len(g), dtype=bool)
+    pr = matched.per_rank
+    if len(pr) and "latest" in pr:
+        # aligned clocks there: the transfer runs from the last arrival to this rank's end
+        m = g[KEY + ["rank"]].reset_index(drop=True).reset_index().merge(
+            pr[KEY + ["rank", "latest", "end"]], on=KEY + ["rank"], how="inner")
+        tx = (m["end"] - m["latest"]).to_numpy(dtype=float)
+        ok = tx > 0
+        idx = m["index"].to_numpy()[ok]
+        transfer[idx], is_matched[idx] = tx[ok], True
+    keep = transfer > 0
+    if not keep.any():
+        return {}
+    size = g["bytes"].to_numpy(dtype=float)[keep] * (n if kind == "all_gather" else 1)
+    alg = float(np.median(size / transfer[keep] / 1e3))  # bytes per us -> GB/s
+    factor = bus_factor(kind, n)
+    med = float(np.median(size))
+    used = is_matched[keep]
+    return dict(sized=int(keep.sum()), median_bytes=med, median_transfer_ms=float(np.median(transfer[keep])) / 1000,
+                algbw_gbps=alg, busbw_gbps=alg * factor if factor is not None else None,
+                regime="latency-bound" if med < SMALL_MESSAGE_BYTES else "bandwidth-bound",
+                transfer="matched across ranks" if used.all() else
+                "own arrival (includes waits)" if not used.any() else "mixed")
+
+
+OUTSIDE = ("", "outside collectives (point-to-point, DDP bucket work)")
+"""exposed_by_group's row for exposed communication no collective covers."""
+
+
+def exposed_by_group(run: Run, matched: Matched) -> dict[tuple[str, str], float]:
+    """(process group, kind) -> exposed communication ms per step, the median over ranks of
+    exposed_per_rank (a row's median rank, so the rows need not sum to the median rank's total)."""
+    per_rank = exposed_per_rank(run, matched)
+    keys = sorted({k for m in per_rank.values() for k in m})
+    return {k: float(np.median([m.get(k, 0.0) for m in per_rank.values()])) for k in keys}
+
+
+def exposed_per_rank(run: Run, matched: Matched) -> dict[int, dict[tuple[str, str], float]]:
+    """rank -> (process group, kind) -> exposed communication ms per step.
+
+    Per rank, the time the breakdown books as exposed_comm (step/breakdown.py exposed_comm)
+    inside the profiled steps, given to the collective running then; where two overlap, to the
+    one that started first (what the later one waited behind). Exposure outside every collective
+    (on CPU ranks DDP's bucket copies, gloo's point-to-point transfers) is the row OUTSIDE, so a
+    rank's rows sum to its exposed_comm_ms."""
+    per_rank: dict[int, dict[tuple[str, str], float]] = {}
+    for r in run.ranks:
+        tl = run.timelines[r]
+        c = tl.collectives
+        c = c[c["step"] >= 0].sort_values("arrival", kind="stable")
+        n = len(tl.steps)
+        if not n:
+            continue
+        exposed = intersect(exposed_comm(run, matched, r), union(tl.steps["start"], tl.steps["end"]))
+        start, end = c["arrival"].to_numpy(dtype=float), c["end"].to_numpy(dtype=float)
+        # disjoint pieces: each collective from where the earlier ones (by start) had all ended
+        before = np.maximum.accumulate(np.concatenate([[-np.inf], end[:-1]]))
+        lo = np.maximum(start, before)
+        us = covered(exposed, lo, np.maximum(lo, end))
+        keys = zip(c["pg"].astype(str), c["name"].astype(str).map(collective_kind))
+        mine: dict[tuple[str, str], float] = {}
+        for key, v in zip(keys, us):
+            mine[key] = mine.get(key, 0.0) + float(v) / 1000 / n
+        rest = float(covered(exposed, tl.steps["start"], tl.steps["end"]).sum() - us.sum()) / 1000 / n
+        if rest > 1e-6:
+            mine[OUTSIDE] = rest
+        per_rank[r] = mine
+    return per_rank
