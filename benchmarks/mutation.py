@@ -18,6 +18,7 @@ with its changed line. Not part of CI (too slow for its budget). Needs `pip inst
 from __future__ import annotations
 
 import argparse
+import datetime
 import difflib
 import json
 import math
@@ -67,8 +68,6 @@ def _head() -> str:
     sha = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
-    import datetime
-
     return f"{sha or 'unknown commit'}{' plus uncommitted changes' if dirty else ''}, {datetime.date.today()}"
 
 

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from diagnose import __version__
 from diagnose.errors import DiagnoseError, one_line
-from diagnose.output import HtaOptions, analyze_outputs
+
+if TYPE_CHECKING:
+    from diagnose.output import HtaOptions
 
 
 def fail(msg: str) -> None:
@@ -55,6 +58,8 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
                       hta: HtaOptions | None = None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
     try:
+        from diagnose.output import analyze_outputs  # lazily: the CLI starts light
+
         analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta)
     except DiagnoseError as exc:
         fail(str(exc))
@@ -75,6 +80,8 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
 def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None, hta: bool,
             hta_budget_mb: float, hta_timeout: float) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
+    from diagnose.output import HtaOptions
+
     opts = HtaOptions(hta_budget_mb, hta_timeout) if hta else None
     sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs, opts))
 
@@ -148,6 +155,8 @@ def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> No
         fail(f"{res.directory}: no rank recorded the capture")
     try:
         # the run's sidecars and step logs (model, optimizer, checkpoints, every step) sit one level up
+        from diagnose.output import analyze_outputs
+
         analyze_outputs([str(res.directory)], out or res.directory, probe_paths=[str(res.directory), str(pdir)])
     except DiagnoseError as exc:
         fail(str(exc))

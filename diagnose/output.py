@@ -13,10 +13,10 @@ import click
 import orjson
 
 from diagnose import __version__
-from diagnose.analyzers.memory import human  # sizes as a person writes them, one formatter for the tool
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.model import Diagnosis
 from diagnose.probes.safefs import write_atomic  # the one safe writer, shared with the probes
+from diagnose.units import human
 
 
 def _clean(x):

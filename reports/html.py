@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diagnose.units import human  # sizes in powers of 1000, as the GB/s beside them and the terminal
+
 from . import charts
 from .charts import num
 from .common import (MAX_EVENTS, MAX_LINES, STATUS_LABEL, STATUS_MARK, ChartSet, _dict, _list,
@@ -166,14 +168,6 @@ def _top_ops_section(extras: dict) -> str:
             + "".join(parts))
 
 
-def _decimal_bytes(v: float) -> str:
-    """Sizes in powers of 1000 here, as the GB/s beside them (and as the terminal prints them)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(v) >= size:
-            return f"{v / size:,.2f} {unit}"
-    return f"{v:,.0f} B"
-
-
 def _comm_groups_section(extras: dict) -> str:
     """Communication per process group and collective kind (diagnose/step/bandwidth.py)."""
     groups = [g for g in _list(_dict(extras.get("comm_groups")).get("groups")) if isinstance(g, dict)]
@@ -183,7 +177,7 @@ def _comm_groups_section(extras: dict) -> str:
     def cells(g: dict) -> str:
         if not g.get("sized"):
             return '<td class=muted colspan=6>sizes not recorded</td>'
-        return (f'<td class=num>{_decimal_bytes(num(g.get("median_bytes")) or 0.0)}</td>'
+        return (f'<td class=num>{esc(human(num(g.get("median_bytes"))))}</td>'
                 f'<td class=num>{fmt_ms(g.get("median_transfer_ms"), 3)}</td>'
                 f'<td class=num>{fmt_value(g.get("algbw_gbps"))}</td><td class=num>{fmt_value(g.get("busbw_gbps"))}</td>'
                 f'<td>{esc(g.get("regime"))}</td><td>{esc(g.get("transfer"))}</td>')

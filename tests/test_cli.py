@@ -101,6 +101,14 @@ def test_analyze_does_not_import_torch(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_cli_starts_without_loading_the_analysis():
+    """`diagnose watch`, `hang` and `--help` start in a tenth of a second: importing the CLI loads
+    neither pandas nor the checklist (they come with the command that needs them)."""
+    code = ("import sys, diagnose.cli; heavy = [m for m in ('pandas', 'numpy', 'diagnose.analyzers', "
+            "'diagnose.pipeline') if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_progress_line_only_after_a_while_and_cleared(capsys):
     from diagnose.output import ProgressLine
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
-from diagnose.analyzers.memory import human
+from diagnose.units import human
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, RankTrace
 from diagnose.step.intervals import covered, union

@@ -16,6 +16,7 @@ import numpy as np
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
 from diagnose.context import Context
 from diagnose.model import Check, Finding
+from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES
 from diagnose.step.intervals import covered
 from diagnose.thresholds import Thresholds
 
@@ -28,7 +29,7 @@ FIX_TINY = ("Collectives are many and small: raise DDP bucket_cap_mb (default 25
             "in a few large buckets, and avoid per-parameter all-reduce calls.")
 # Hundreds of collectives per step under 1 MiB each: latency-bound, i.e. no bucketing.
 MANY_COLLECTIVES = 50
-SMALL_BYTES = 1024**2
+SMALL_BYTES = SMALL_MESSAGE_BYTES  # one definition of a small collective (step/bandwidth.py: why 1 MiB)
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:

@@ -30,6 +30,7 @@ from diagnose.analyzers.common import confidence_for, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
+from diagnose.units import human
 
 ID = "device_memory"
 TITLE = "Device memory (capacity: what fills it, what would free it)"
@@ -37,15 +38,6 @@ TITLE = "Device memory (capacity: what fills it, what would free it)"
 STATE_PER_PARAM = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "FusedAdam": 2, "Lamb": 2,
                    "LAMB": 2, "Adagrad": 1, "RMSprop": 1, "Adadelta": 2, "Rprop": 2, "ASGD": 2, "Adafactor": 0}
 FULLY_SHARDED = ("FullyShardedDataParallel", "FSDPModule")
-
-
-def human(n: float | None) -> str:
-    if n is None:
-        return "not measured"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from diagnose.step.collectives import KEY, Matched
 from diagnose.step.intervals import covered, intersect, union
 
 SMALL_MESSAGE_BYTES = 1024**2
-"""Under 1 MiB a collective is latency-bound (the communication check's "small collectives" too)."""
+"""Under 1 MiB a collective is latency-bound (the communication check's "small collectives" use it too)."""
 
 _KINDS = (  # on the name lower-cased with _ and - removed; the first match wins (reduce last)
     ("all_reduce", re.compile(r"allreduce")),
