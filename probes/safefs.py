@@ -144,9 +144,18 @@ class SafeDir:
     def write_atomic(self, name: str, data: bytes, mode: int = 0o644) -> None:
         """Replace `name` with `data` in one rename: a reader sees the old file or the new one."""
         _check_name(name)
-        with self.private_tmp(name) as tmp:
-            tmp.write_new(name, data, mode)
-            tmp.publish(name, name)
+        for attempt in range(3):
+            try:
+                with self.private_tmp(name) as tmp:
+                    tmp.write_new(name, data, mode)
+                    tmp.publish(name, name)
+                return
+            except FileNotFoundError:
+                # in a directory others may write to (no sticky bit), someone can rename an empty
+                # directory over our fresh temp one: it is gone, nothing was written through it.
+                # A new temp directory, a few times, then the error.
+                if attempt == 2:
+                    raise
 
     def open_append(self, name: str, buffering: int = -1):
         """A text log opened for append: created if absent, never through a symlink, ours only."""
