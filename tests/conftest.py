@@ -1,6 +1,7 @@
 """Shared fixtures: the real traces in ../shared/traces and real torchrun jobs."""
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import subprocess
@@ -126,6 +127,23 @@ def shared_run(name: str):
 def fixture_run(path: Path):
     """A recorded job kept in tests/fixtures, loaded as a Run once per test session."""
     return _run(str(path), _load_key())
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A directory `build(directory)` fills, made once for the whole test session: the two
+    pytest-xdist workers share one (the first builds it under a lock, the other waits for it), so
+    a slow build costs the machine once, not once per core."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' temp directories sit side by side under this one
+    out, done = base / f"built-{name}", base / f"built-{name}.done"
+    with open(base / f"built-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            out.mkdir(exist_ok=True)
+            build(out)
+            done.touch()
+    return out
 
 
 def run_dir(out: Path) -> Path:

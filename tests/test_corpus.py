@@ -17,9 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from diagnose.cli import main
-from tests.conftest import ROOT, SHARED
+from tests.conftest import ROOT, SHARED, built_once
 from tests.corpus.make_corpus import DEFAULT_PAIR as PAIR
-from tests.corpus.make_corpus import N_BAD_WITH_NAN, SKEW_US, XSS, make_corpus
+from tests.corpus.make_corpus import CASES, N_BAD_WITH_NAN, SKEW_US, XSS, make_corpus
 
 GPU = SHARED / "hta_nccl_data_rank0of2_a100" / "nccl_data.json.gz"
 
@@ -72,7 +72,9 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
     # a real job recorded once (tests/fixtures/cpu_straggler_2rank/README.md): no torchrun per run
     if not _CORPUS or not all(p.exists() for p in _CORPUS.values()):
         _CORPUS.clear()
-        _CORPUS.update(make_corpus(tmp_path_factory.mktemp("corpus"), PAIR, GPU if GPU.exists() else None))
+        gpu = GPU if GPU.exists() else None
+        out = built_once(tmp_path_factory, "corpus", lambda d: make_corpus(d, PAIR, gpu))
+        _CORPUS.update({name: out / name for name in CASES})
     return _CORPUS
 
 

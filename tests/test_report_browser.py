@@ -39,10 +39,10 @@ def body_attrs(dom: str) -> dict[str, str]:
     return dict(re.findall(r'([\w-]+)="([^"]*)"', m.group(1)))
 
 
-def dump(report: dict, tmp: Path, renderer=render) -> tuple[str, dict[str, str]]:
+def dump(report: dict, tmp: Path, renderer=render, *mode: str) -> tuple[str, dict[str, str]]:
     page = tmp / "report.html"
     page.write_text(renderer(report), encoding="utf-8")
-    res = run_chromium(page, tmp, "--dump-dom")
+    res = run_chromium(page, tmp, "--dump-dom", *mode)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout, body_attrs(res.stdout)
 
@@ -59,18 +59,13 @@ def assert_charts_drew(dom: str, attrs: dict[str, str]) -> None:
     assert len(re.findall(r'class="chart js-plotly-plot"', dom)) == containers
 
 
-def test_dlrm_report_renders(tmp_path):
-    dom, attrs = dump(diagnosis_json("param_dlrm_8rank_v100"), tmp_path)
+def test_dlrm_report_renders_and_paints(tmp_path):
+    # one browser start for the DOM and the picture (each start costs seconds on a loaded machine)
+    shot = tmp_path / "shot.png"
+    dom, attrs = dump(diagnosis_json("param_dlrm_8rank_v100"), tmp_path, render, f"--screenshot={shot}",
+                      "--window-size=1400,2000")
     assert_charts_drew(dom, attrs)
     assert 'id="causes"' in dom and 'id="verdict"' in dom
-
-
-def test_dlrm_report_screenshot(tmp_path):
-    page = tmp_path / "report.html"
-    page.write_text(render(diagnosis_json("param_dlrm_8rank_v100")), encoding="utf-8")
-    shot = tmp_path / "shot.png"
-    res = run_chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1400,2000")
-    assert res.returncode == 0, res.stderr[-2000:]
     data = shot.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 50_000  # a blank 1400x2000 page is a few KB
 
