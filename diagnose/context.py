@@ -14,6 +14,7 @@ from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import compute_breakdown
 from diagnose.step.collectives import Matched, match_collectives
 from diagnose.step.graph import build_graph
+from diagnose.step.intervals import covered
 from diagnose.whatif import StepModel, step_model
 
 
@@ -51,6 +52,16 @@ class Context:
     @property
     def mean_step_ms(self) -> float:
         return float(self.table["step_ms"].mean())
+
+    def compiled_share(self) -> float | None:
+        """Median over ranks of the share of the host's busy time in the steps spent inside
+        torch.compile'd code; None when no rank ran any."""
+        shares = []
+        for tl in self.run.timelines.values():
+            lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+            busy = float(covered(tl.host_busy, lo, hi).sum())
+            shares.append(float(covered(tl.compiled, lo, hi).sum()) / busy if busy > 0 else 0.0)
+        return float(np.median(shares)) if any(shares) else None
 
     def per_rank_mean(self, column: str) -> pd.Series:
         return self.table.groupby("rank")[column].mean()

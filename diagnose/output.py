@@ -95,6 +95,9 @@ def terminal_summary(d: Diagnosis) -> str:
     lines.append(f"run: {found} of {ws} ranks, backend {backend}, device {r.device}"
                  f"{' (' + r.device_name + ')' if r.device_name else ''}, "
                  f"{r.steps_analysed} step(s) from {r.step_source}, mean step {mean:.1f} ms")
+    compiled = (d.extras.get("compiled") or {}).get("host_share")
+    if compiled is not None:
+        lines.append(f"torch.compile: {compiled:.0%} of the host's time in the steps runs inside compiled code")
     if d.findings:
         lines.append("")
         lines.append("ranked causes:")

@@ -88,7 +88,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
     extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx), "top_ops": _top_ops_extra(ctx),
-              "comm_groups": _comm_groups_extra(ctx)}
+              "comm_groups": _comm_groups_extra(ctx), "compiled": _compiled_extra(ctx)}
     if ctx.model is not None:
         try:  # each cause's ms from the one model of the step: the replay with it removed
             named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
@@ -226,6 +226,16 @@ def _comm_groups_extra(ctx: Context) -> dict:
                         "median_transfer_ms": r(g.median_transfer_ms, 4), "algbw_gbps": r(g.algbw_gbps, 3),
                         "busbw_gbps": r(g.busbw_gbps, 3), "regime": g.regime, "transfer": g.transfer}
                        for g in rows]} if rows else {}
+
+
+def _compiled_extra(ctx: Context) -> dict:
+    """How much of the host's work in the steps ran inside torch.compile'd code ({} if none)."""
+    share = ctx.compiled_share()
+    if share is None:
+        return {}
+    return {"host_share": round(share, 4),
+            "definition": "median over ranks of the host's busy time in the steps inside `Torch-Compiled Region` "
+                          "and `CompiledFunctionBackward` spans"}
 
 
 def _lateness_extra(ctx: Context) -> dict:

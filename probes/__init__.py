@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .core import Probe, Schedule
 
-__all__ = ["watch", "Watch", "Probe", "Schedule", "install_from_env"]
+__all__ = ["watch", "Watch", "start", "Session", "Probe", "Schedule", "install_from_env"]
 
 ENV_OUT = "DIAGNOSE_PROBE_DIR"
 ENV_SCHEDULE = "DIAGNOSE_PROBE_SCHEDULE"
@@ -63,16 +63,46 @@ class Watch:
             self.probe._fail("metadata", exc)
 
 
-@contextmanager
-def watch(out_dir: str | Path, schedule: str | Schedule | None = None, collectives: bool = True):
-    """Probe the loop inside the `with` block; rank and world size come from torch.distributed, else
-    the environment, when the first file is written. out_dir is yours: it may be a symlink you made."""
+class Session:
+    """Probes started by code (`start`): mark each step, close at the end. What the framework
+    callbacks (probes.hf, probes.lightning) hold; `watch` is the same as a context manager."""
+
+    def __init__(self, probe: Probe, undo: list) -> None:
+        self.probe = probe
+        self._undo = undo
+        self._closed = False
+
+    def step(self) -> None:
+        self.probe.start_profiler()
+        self.probe.on_step()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _record_facts(self.probe)
+        self.probe.close()
+        for u in self._undo:
+            try:
+                u()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def start(out_dir: str | Path, schedule: str | Schedule | None = None, *, collectives: bool = True,
+          dataloaders: bool = False) -> Session:
+    """Start the probes writing under out_dir; the caller marks steps (`Session.step`) and closes.
+
+    dataloaders: time every DataLoader's batches (for frameworks that own the loop and its loader;
+    `watch` users wrap theirs with `Watch.loader`). The optimizer-step hook of `diagnose run` is
+    not installed: the caller's `step()` is the step boundary."""
     sch = schedule if isinstance(schedule, Schedule) else Schedule.parse(schedule)
     probe = Probe(out_dir, schedule=sch, strict_dir=False)
     undo = []
-    from .patches import _checkpoint, _collectives, _ddp, _memory
+    from .patches import _checkpoint, _collectives, _dataloader, _ddp, _memory
 
-    for part in ((_collectives, _ddp, _memory, _checkpoint) if collectives else (_memory, _checkpoint)):
+    parts = (_collectives, _ddp, _memory, _checkpoint) if collectives else (_memory, _checkpoint)
+    for part in ((_dataloader,) if dataloaders else ()) + parts:
         try:
             u = part(probe)
             if u:
@@ -80,16 +110,18 @@ def watch(out_dir: str | Path, schedule: str | Schedule | None = None, collectiv
         except Exception as exc:  # noqa: BLE001
             probe._fail("hooks", exc)
     _record_facts(probe)
+    return Session(probe, undo)
+
+
+@contextmanager
+def watch(out_dir: str | Path, schedule: str | Schedule | None = None, collectives: bool = True):
+    """Probe the loop inside the `with` block; rank and world size come from torch.distributed, else
+    the environment, when the first file is written. out_dir is yours: it may be a symlink you made."""
+    session = start(out_dir, schedule, collectives=collectives)
     try:
-        yield Watch(probe)
+        yield Watch(session.probe)
     finally:
-        _record_facts(probe)
-        probe.close()
-        for u in undo:
-            try:
-                u()
-            except Exception:  # noqa: BLE001
-                pass
+        session.close()
 
 
 def _record_facts(probe: Probe) -> None:

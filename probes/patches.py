@@ -20,7 +20,8 @@ from .core import Probe
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
-               "barrier", "send", "recv", "_all_gather_base", "_reduce_scatter_base")
+               "barrier", "send", "recv", "_all_gather_base", "_reduce_scatter_base",
+               "all_gather_single", "reduce_scatter_single")  # the last two: what FSDP2 calls (torch 2.13)
 _MARK = "__diagnose_probe__"
 # Set while a DDP comm hook runs: the all-reduce it issues is the bucket's, timed once.
 _inside_hook = threading.local()
@@ -168,9 +169,25 @@ def _is_cuda(obj) -> bool:
     return bool(getattr(first, "is_cuda", False))
 
 
+def _compiling() -> bool:
+    """True while torch.compile traces the caller. Each wrapper then steps aside and calls the
+    original: timing code (perf_counter, a logger, a dict lookup on the module) inside a traced
+    function is a graph break at best, and at worst (an error in the probe while tracing) makes
+    torch.compile fall back to running the whole model eagerly: the probe would change what the
+    job runs. Constant-folded by the tracer, so it costs the compiled code nothing."""
+    try:
+        import torch
+
+        return bool(torch.compiler.is_compiling())
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def _timed(fn, name: str, probe: Probe):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if _compiling():
+            return fn(*args, **kwargs)
         t = time.perf_counter()
         hooked = getattr(_inside_hook, "active", False)  # a DDP bucket's all-reduce is timed by its hook
         e0 = None
@@ -203,6 +220,7 @@ def _ddp(probe: Probe):
 
     orig_forward = DDP.forward
     orig_register = DDP.register_comm_hook
+    orig_init = DDP.__init__
     if getattr(orig_forward, _MARK, False):
         return None
 
@@ -246,14 +264,24 @@ def _ddp(probe: Probe):
         self.__dict__["_diagnose_user_hook"] = True
         return orig_register(self, state, timed_hook(hook))
 
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        try:  # the model's facts at construction: a compiled forward never runs our wrapper's body
+            from .meta import model_facts
+
+            probe.meta["model"] = model_facts(self)
+        except Exception as exc:  # noqa: BLE001
+            probe._fail("ddp timing", exc)
+
     @functools.wraps(orig_forward)
     def forward(self, *args, **kwargs):
-        if not self.__dict__.get("_diagnose_hooked"):
+        # the timing hook is registered at the first eager forward (a user's own register_comm_hook
+        # comes before it); under torch.compile this body is skipped and the bucket all-reduces are
+        # timed from the trace alone
+        if not _compiling() and not self.__dict__.get("_diagnose_hooked"):
             self.__dict__["_diagnose_hooked"] = True
             try:
-                from .meta import model_facts
-
-                probe.meta["model"] = model_facts(self)
                 if not self.__dict__.get("_diagnose_user_hook"):
                     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -263,10 +291,12 @@ def _ddp(probe: Probe):
         return orig_forward(self, *args, **kwargs)
 
     setattr(forward, _MARK, True)
+    DDP.__init__ = __init__
     DDP.forward = forward
     DDP.register_comm_hook = register_comm_hook
 
     def undo():
+        DDP.__init__ = orig_init
         DDP.forward = orig_forward
         DDP.register_comm_hook = orig_register
 

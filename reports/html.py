@@ -36,7 +36,7 @@ def _headline(d: dict) -> str:
             f'the step breakdown below shows where the time goes.</p>')
 
 
-def _run_facts(run: dict) -> str:
+def _run_facts(run: dict, extras: dict | None = None) -> str:
     found, missing = _list(run.get("ranks_found")), _list(run.get("ranks_missing"))
     ws = run.get("world_size")
     ranks = f"{len(found)} of {esc(ws)} ranks" if ws is not None else f"{len(found)} rank(s)"
@@ -52,6 +52,9 @@ def _run_facts(run: dict) -> str:
              ("Device", device), ("Steps analysed", f"{esc(run.get('steps_analysed'))} "
                                   f"<span class=muted>(from {esc(run.get('step_source'))})</span>"),
              ("Mean step" + (" (range over ranks)" if len(vals) > 1 else ""), mean_txt)]
+    compiled = num(_dict(_dict(extras).get("compiled")).get("host_share"))
+    if compiled is not None:
+        facts.append(("torch.compile", f"{fmt_share(compiled)} <span class=muted>of host time in compiled code</span>"))
     items = "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in facts)
     per_rank = " ".join(f'<span class="chip">rank {esc(k)}: {fmt_ms(v, 1)}</span>' for k, v in means.items())
     more = (f'<details{" open" if len(means) <= 16 else ""}><summary>Mean step time per rank</summary>'
@@ -312,7 +315,7 @@ def render(diagnosis: dict) -> str:
     body = f"""<main>
 <header class="top"><h1>Why is this training job slow? <span class="muted">torch-diagnose report</span></h1>
 <span class="muted">{esc(tool.get("name", "torch-diagnose"))} {esc(tool.get("version", ""))} · schema {esc(d.get("schema_version"))}</span></header>
-<section class="verdict" id="verdict" aria-label="Verdict">{_headline(d)}{_run_facts(run)}</section>
+<section class="verdict" id="verdict" aria-label="Verdict">{_headline(d)}{_run_facts(run, _dict(d.get("extras")))}</section>
 <h2 id="ranked-causes">Ranked causes</h2>{_causes_table(findings)}
 <h2 id="checklist">Checklist</h2>{_checklist(checks, findings)}
 <h2 id="breakdown">Where the step goes</h2>{breakdown_html}

@@ -8,7 +8,7 @@ from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP
 from diagnose.model import Check, Finding
 from diagnose.step.idle import IdleModel, completeness
 from diagnose.step.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
-                                    _names_matching)
+                                    _names_matching, closure_steps)
 from diagnose.thresholds import Thresholds
 
 
@@ -77,11 +77,13 @@ def host_self_times(ev: pd.DataFrame, tl: RankTimeline) -> pd.DataFrame:
     holding an 88 ms blocking gloo:recv has that recv subtracted, so the wait is never counted as
     the annotation's own (per-op) time."""
     host = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
+    framing = pd.Series(closure_steps(ev), index=ev.index)  # a closure's Optimizer.step holds waits, not work
     ops = ev[host & ~ev["tid"].astype(str).isin(tl.comm_threads).to_numpy()]
     ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
     ops = ops.assign(self_us=self_times(ops))
     skip = (_names_matching(ops, PROFILER_STEP) | _names_matching(ops, DATALOADER)
-            | _names_matching(ops, CPU_COMM_ENQUEUE) | _names_matching(ops, CPU_COMM_TRANSFER))
+            | _names_matching(ops, CPU_COMM_ENQUEUE) | _names_matching(ops, CPU_COMM_TRANSFER)
+            | framing.loc[ops.index].to_numpy())
     return ops[~skip]
 
 

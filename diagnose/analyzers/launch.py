@@ -41,6 +41,11 @@ FIX_STALL = ("The device waits on long host-side stalls between launches: profil
              "CUDA graphs or torch.compile remove the per-op host time altogether.")
 FIX_CPU = ("Per-op overhead dominates: raise the micro-batch (with gradient accumulation to keep the global "
            "batch), fuse ops with torch.compile, and keep Python work out of the step.")
+FIX_CPU_COMPILED = ("Per-op overhead dominates although most of the step already runs compiled: raise the "
+                    "micro-batch (with gradient accumulation to keep the global batch), compile what still runs "
+                    "eagerly (look for graph breaks: TORCH_LOGS=graph_breaks), and keep Python work out of the step.")
+COMPILED_MOST = 0.5
+"""Share of the host's busy time inside compiled code above which "use torch.compile" is no fix."""
 DENSE = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|conv|_convolution|mkldnn_convolution|"
                    r"cudnn_convolution|_scaled_dot_product|scaled_dot_product|einsum)")
 
@@ -253,10 +258,14 @@ def _cpu(ctx: Context, th: Thresholds) -> Check:
         "median_fixed_cost_per_op_us": round(float(np.median(floors)), 2) if floors else 0.0,
         "dense_math_share_of_compute": round(float(np.median(dense_shares)), 4) if dense_shares else 0.0,
     }
+    compiled = ctx.compiled_share()
+    if compiled is not None:
+        metrics["compiled_share_of_host_time"] = round(compiled, 4)
     ranks = tuple(r for r, v in per_rank.items() if v / ctx.mean_step_ms >= th.cpu_op_overhead) or tuple(run.ranks)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
-        ranks=ranks, metrics=metrics, events=tuple(refs[:4]), fix=FIX_CPU, confidence=confidence_for(ctx, "medium"),
+        ranks=ranks, metrics=metrics, events=tuple(refs[:4]),
+        fix=FIX_CPU_COMPILED if (compiled or 0.0) >= COMPILED_MOST else FIX_CPU, confidence=confidence_for(ctx, "medium"),
         method="Median over ranks of the per-step sum, over ops, of each op's self time up to that op's fixed "
                "cost (its fastest instance's self time): the cost a larger micro-batch amortises.")
     return flag_or_pass(f, th.cpu_op_overhead, th, f"per-op overhead is {ms:.1f} ms per step ({share:.0%}) over "

@@ -13,8 +13,12 @@ Model (aligned clocks, every rank loaded):
   the measured last arrival), and its arrival waits for the previous collective on the same
   rank when it started after that one ended (stream order).
 - A blocked stretch of a lane ends at a *resume* point that depends on the end of the
-  collective it waited for (the latest one on the rank ending inside the stretch). A blocked
-  stretch no collective end explains stays lane time; where it lies between one of the rank's
+  collective it waited for (the latest one on the rank ending inside the stretch). A stretch that
+  ends before any of its collectives end, but after one's last participant arrived, resumes at
+  that last arrival plus the measured delay (CPU ranks: a main thread waiting at the end of
+  backward resumes while the gloo thread still closes the transfer: waiting for a late peer all
+  the same, so it moves with that peer). A blocked
+  stretch neither explains stays lane time; where it lies between one of the rank's
   collectives' last arrival and its end (a CPU rank's main thread waiting while the gloo thread
   still transfers, resuming before the transfer's last bookkeeping), it is the lane part
   `comm_wait`, which hiding communication removes; before the last arrival it is waiting for a
@@ -81,6 +85,9 @@ class StepGraph:
     resume_of: np.ndarray
     """RESUME: the COLL_END it waited for; its lag (measured resume minus that end) is in lag."""
     lag: np.ndarray
+    after_arrival: np.ndarray
+    """RESUME: waits for its collective's last arrival (group), not its end; lag is measured from
+    that arrival (a resume before the transfer's end: the end is a later node)."""
     n_groups: int
     group_key: pd.DataFrame
     """One row per collective instance: step, pg, seq."""
@@ -143,6 +150,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     cols: dict[str, list] = {k: [] for k in ("rank", "kind", "time", "step", "seg", "group", "transfer", "ref")}
     # segment ids: a stable code per (kind, step, pg, seq) so ranks' segments line up
     seg_codes: dict[tuple, int] = {}
+    after_rows: set[int] = set()  # RESUME rows that wait for a last arrival, not an end
 
     def add(r: int, kind: int, t: float, step: int, seg: tuple | None, group: int = -1, transfer: float = 0.0,
             ref: int = -1) -> None:
@@ -188,14 +196,27 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         order = np.argsort(ends_r, kind="stable")
         se = ends_r[order]
         explained = np.zeros(len(bl), dtype=bool)
+        own_r, last_r, end_r = c_arr[mine], latest[mine], c_end[mine]
         for n_b, (b0, b1) in enumerate(zip(bl.starts, bl.ends)):
-            j = np.searchsorted(se, b1 + resume_slack_us, side="right") - 1
-            if j < 0 or se[j] < b0:
-                continue  # nothing this rank waited for ended inside the stretch: lane time
-            explained[n_b] = True
-            i = mine[order[j]]
             k = int(np.searchsorted(lo, b1, side="right") - 1)
             st = int(steps[max(k, 0)])
+            j = np.searchsorted(se, b1 + resume_slack_us, side="right") - 1
+            if j < 0 or se[j] < b0:
+                # nothing ended inside the stretch; one this rank had joined when the stretch began,
+                # whose last rank arrived inside it and whose transfer was still closing when the
+                # lane went on, explains it from that arrival
+                tail = np.flatnonzero((own_r <= b0 + resume_slack_us) & (last_r >= b0) & (last_r <= b1)
+                                      & (end_r > b1 + resume_slack_us)) \
+                    if not tl.is_gpu else np.empty(0, dtype=np.int64)  # a device lane resumes at kernel ends
+                if not tail.size:
+                    continue  # lane time
+                i = mine[tail[np.argmax(last_r[tail])]]
+                explained[n_b] = True
+                add(r, RESUME, float(b1), st, None, int(c_group[i]), ref=int(i))
+                after_rows.add(len(cols["kind"]) - 1)
+                continue
+            explained[n_b] = True
+            i = mine[order[j]]
             add(r, RESUME, max(float(b1), float(c_end[i])), st, None, int(c_group[i]), ref=int(i))
         blocked_by_rank[r] = Intervals(bl.starts[explained], bl.ends[explained])
         in_transfer = union(latest[mine], c_end[mine])
@@ -208,6 +229,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     rank, step, seg, group, ref = (np.asarray(cols[k], dtype=np.int64)[order]
                                    for k in ("rank", "step", "seg", "group", "ref"))
     transfer = np.asarray(cols["transfer"], dtype=float)[order]
+    after_arrival = np.isin(order, list(after_rows))
     n = time.size
 
     # COLL_END node of each (collective row): to link resumes and stream order
@@ -219,10 +241,12 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     resume_of = np.full(n, -1, dtype=np.int64)
     lag = np.zeros(n)
     res = np.flatnonzero(kind == RESUME)
+    group_latest = np.full(len(keys), -np.inf)
+    np.maximum.at(group_latest, c_group, c_arr)
     for v in res:
         e = end_node_of_row[int(ref[v])]
         resume_of[v] = e
-        lag[v] = max(time[v] - time[e], 0.0)
+        lag[v] = time[v] - group_latest[group[v]] if after_arrival[v] else max(time[v] - time[e], 0.0)
 
     # lane chains and the composition of each lane edge
     lane_prev = np.full(n, -1, dtype=np.int64)
@@ -253,7 +277,8 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             order_prev[arr[ok]] = ends[j[ok]]
     return StepGraph(rank=rank, kind=kind, time=time, step=step, seg=seg, lane_prev=lane_prev,
                      lane_parts=lane_parts, group=group, transfer=transfer, order_prev=order_prev,
-                     resume_of=resume_of, lag=lag, n_groups=len(keys), group_key=keys)
+                     resume_of=resume_of, lag=lag, after_arrival=after_arrival, n_groups=len(keys),
+                     group_key=keys)
 
 
 def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray | None = None) -> Replay:
@@ -288,6 +313,11 @@ def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray 
             if t[v] > group_start[gi]:
                 group_start[gi], group_last[gi] = t[v], v
         elif k == RESUME:
+            if g.after_arrival[v]:  # the last arrival is processed by now (measured before this point)
+                gi = group[v]
+                if group_start[gi] + g.lag[v] > t[v]:
+                    t[v], via[v], via_cat[v] = group_start[gi] + g.lag[v], group_last[gi], ORDER
+                continue
             e = resume_of[v]
             if t[e] + g.lag[v] > t[v]:
                 t[v], via[v], via_cat[v] = t[e] + g.lag[v], e, ORDER

@@ -8,9 +8,12 @@ Definitions (stated in the report):
   any stream; communication = union of NCCL/RCCL kernels. The device view: time the
   GPU does useful work vs. time it only communicates or idles.
 - CPU-only traces: compute = union of CPU ops and annotations on the training
-  threads (not gloo's `pt_gloo_runloop` threads), minus DataLoader time and DDP's
-  reducer work; communication = `gloo:*` transfers, `c10d::*` enqueue ops and DDP's
-  reducer work (bucket copies, gradient division).
+  threads (not gloo's `pt_gloo_runloop` threads), minus DataLoader time and the
+  data-parallel wrappers' communication work; communication = `gloo:*` transfers, `c10d::*`
+  enqueue ops and that work (DDP's bucket copies and gradient division, FSDP2's all-gather and
+  reduce-scatter spans with their copies and waits). An `Optimizer.step` that runs the forward
+  and backward inside it (a closure, as Lightning calls it) frames the step like ProfilerStep:
+  its own time is not compute.
 - DataLoader wait = union of `enumerate(DataLoader)#...__next__` spans.
 """
 from __future__ import annotations
@@ -36,11 +39,17 @@ from diagnose.step.intervals import Intervals, merge, subtract, union
 DATALOADER = re.compile(r"^enumerate\(DataLoader\)#.*__next__")
 PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
 OPTIMIZER_STEP = re.compile(r"^Optimizer\.step#")
+AUTOGRAD_BACKWARD = re.compile(r"^autograd::engine::evaluate_function")
+# torch.compile's frames (dynamo's entry into a compiled graph): the forward's; the backward of a
+# compiled graph runs inside CompiledFunctionBackward
+COMPILED_REGION = re.compile(r"^(Torch-Compiled Region|CompiledFunctionBackward$)")
 CPU_COMM_TRANSFER = re.compile(r"^gloo:")
 CPU_COMM_ENQUEUE = re.compile(r"^(c10d::|record_param_comms$|nccl:)")
-# DDP's own bucketing work on the host (gradient division, copies into and out of
-# buckets): communication overhead that grows with world size, not model compute.
-DDP_REDUCER = re.compile(r"reducer::")
+# The data-parallel wrappers' own communication work on the host: DDP's bucketing (gradient
+# division, copies into and out of buckets) and FSDP2's all-gathers and reduce-scatters with their
+# copies in and out and their waits (a rank blocked in `FSDP::all_gather` for a late peer is
+# waiting, not computing). Communication overhead that grows with world size, not model compute.
+COMM_WRAPPERS = re.compile(r"reducer::|^FSDP::(all_gather|post_backward_reduce|post_backward_rs_wait)")
 # Point-to-point transfers (pipeline parallelism) are not collectives: nothing to match
 # across all ranks. gloo records them on the training thread itself.
 P2P = re.compile(r"^(gloo:(send|recv)|c10d::(send|recv_|recv_any_source_))$")
@@ -70,6 +79,8 @@ class RankTimeline:
     """One row per collective instance on this rank, in order (COLLECTIVE_COLUMNS)."""
     comm_threads: frozenset[str]
     """Thread ids that only run communication (gloo's runloop threads)."""
+    compiled: Intervals
+    """Host time inside torch.compile'd code (`Torch-Compiled Region` spans on the training threads)."""
     warnings: tuple[str, ...]
 
 
@@ -215,7 +226,7 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
     comm_tids = set(ev.loc[transfer, "tid"].astype(str)) - train_tids
     host_kinds = _kind_mask(ev, KIND_CPU_OP, KIND_ANNOTATION)
     on_comm_thread = ev["tid"].astype(str).isin(comm_tids).to_numpy()
-    framing = _names_matching(ev, PROFILER_STEP) | dl_mask
+    framing = _names_matching(ev, PROFILER_STEP) | dl_mask | closure_steps(ev)
     cpu_comm = (transfer | _names_matching(ev, CPU_COMM_ENQUEUE)) & host_kinds
     host = ev[host_kinds & ~on_comm_thread & ~framing & ~cpu_comm]
     host_busy = union(host["ts"], host["ts"] + host["dur"])
@@ -226,15 +237,37 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
         ck = ev[_kind_mask(ev, KIND_COMM_KERNEL)]
         comm = union(ck["ts"], ck["ts"] + ck["dur"])
     else:
-        reducer = ev[host_kinds & _names_matching(ev, DDP_REDUCER)]
+        reducer = ev[host_kinds & _names_matching(ev, COMM_WRAPPERS)]
         reducer_set = union(reducer["ts"], reducer["ts"] + reducer["dur"])
         compute = subtract(subtract(host_busy, dataloader), reducer_set)
         cc = ev[cpu_comm]
         comm = merge(union(cc["ts"], cc["ts"] + cc["dur"]), reducer_set)
     collectives = _collectives(trace, is_gpu, steps, comm_tids)
+    cr = ev[host_kinds & ~on_comm_thread & _names_matching(ev, COMPILED_REGION)]
     return RankTimeline(rank=rank, file=trace.path.name, is_gpu=is_gpu, step_source=source, steps=steps,
                         compute=compute, comm=comm, dataloader=dataloader, host_busy=host_busy,
-                        collectives=collectives, comm_threads=frozenset(comm_tids), warnings=tuple(warnings))
+                        collectives=collectives, comm_threads=frozenset(comm_tids),
+                        compiled=union(cr["ts"], cr["ts"] + cr["dur"]), warnings=tuple(warnings))
+
+
+def closure_steps(ev: pd.DataFrame) -> np.ndarray:
+    """Optimizer.step annotations that run the whole forward and backward inside them: a closure
+    (`optimizer.step(closure)`, as PyTorch Lightning and LBFGS call it). Such a span frames the step
+    like ProfilerStep does: its own time is not work, it holds the thread's waits (a rank blocked at
+    the end of backward for a late peer's all-reduce); the ops inside it still count."""
+    opt = ev[_kind_mask(ev, KIND_CPU_OP, KIND_ANNOTATION) & _names_matching(ev, OPTIMIZER_STEP)]
+    out = np.zeros(len(ev), dtype=bool)
+    if not len(opt):
+        return out
+    bw = ev[_kind_mask(ev, KIND_CPU_OP) & _names_matching(ev, AUTOGRAD_BACKWARD)]
+    for tid in set(opt["tid"].astype(str)):
+        o = opt[opt["tid"].astype(str) == tid]
+        b = np.sort(bw.loc[bw["tid"].astype(str) == tid, "ts"].to_numpy())
+        first = np.searchsorted(b, o["ts"].to_numpy(), side="left")  # first backward op at or after each start
+        holds = (first < len(b)) & (b[np.minimum(first, len(b) - 1)] < (o["ts"] + o["dur"]).to_numpy()) \
+            if len(b) else np.zeros(len(o), dtype=bool)
+        out[ev.index.get_indexer(o.index[holds])] = True
+    return out
 
 
 def runtime_launch_delay(ev: pd.DataFrame) -> np.ndarray:
