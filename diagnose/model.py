@@ -38,6 +38,8 @@ CHECK_ORDER: tuple[str, ...] = (
     "pipeline_bubble",
     "checkpoint_io",
     "host_sync",
+    # configuration mistakes behind the causes above
+    "grad_sync",
 )
 
 

@@ -77,6 +77,10 @@ class Thresholds:
     checkpoint-frequency tuners (CheckFreq, FAST '21) hold the overhead to a few percent,
     and 5% is the floor the checklist already uses for input stalls."""
 
+    grad_sync: float = 0.05
+    """Flag gradients all-reduced on every micro-batch from 5% of the step: the cost is pure waste
+    removed by one context manager, like a blocking input copy (the same 5% floor as input)."""
+
     host_sync: float = 0.05
     """Flag host-device synchronisation when the device idle it causes reaches 5% of the
     step: a blocking sync stalls the device queue exactly like a blocking host-to-device

@@ -13,6 +13,8 @@ Presets (--pathology; explicit flags below override them):
   tiny-buckets  many small all-reduces (bucket_cap_mb tiny) on a wide model
   straggler-dataloader  two causes on one rank: rank 1 sleeps 100 ms before each backward and its
                 own DataLoader is slow (0.4 ms per sample, about 100 ms per step)
+  accum-no-sync gradient accumulation over 4 micro-batches that all-reduces on every one of them
+                (the loop forgets DDP's no_sync()); `--grad-accum 4` alone is the right way
 
 Pathology flags (all off by default: a healthy run):
   --slow-getitem-ms MS      each Dataset.__getitem__ sleeps (dataloader starvation with --num-workers 0)
@@ -20,6 +22,8 @@ Pathology flags (all off by default: a healthy run):
   --straggler-rank R        rank R sleeps --straggler-ms before each backward (arrives late at all-reduce)
   --batch-size small        with a wide model: tiny micro-batch, per-op overhead dominates
   --bucket-cap-mb tiny      many small all-reduces
+  --grad-accum N            N micro-batches per optimizer step, the first N-1 under DDP's no_sync()
+  --sync-every-micro-batch  ... without no_sync(): gradients all-reduced after every micro-batch
   --trace-dir DIR           record torch.profiler traces there (as a user would, without the probes)
 
 Launching: torchrun (above), or `python examples/train_ddp.py --spawn 2`: torch.multiprocessing.spawn
@@ -29,6 +33,7 @@ scripts that pass the rank to init_process_group).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -66,9 +71,14 @@ PRESETS: dict[str, dict] = {
     "tiny-buckets": {"bucket_cap_mb": 0.01, "layers": 6, "repeat": 1},
     "straggler-dataloader": {"straggler_rank": 1, "straggler_ms": 100.0, "slow_getitem_ms": 0.4,
                              "slow_getitem_rank": 1, "num_workers": 0},
+    # a wide model (4 MiB of gradients) so the three needless all-reduces per step cost far more
+    # than this machine's noise
+    "accum-no-sync": {"grad_accum": 4, "sync_every_micro_batch": True, "batch_size": 64, "layers": 4,
+                      "hidden": 1024, "repeat": 1},
 }
 DEFAULTS = {"steps": 12, "batch_size": 256, "dim": 256, "hidden": 512, "layers": 3, "repeat": 8, "num_workers": 0,
-            "slow_getitem_ms": 0.0, "slow_getitem_rank": -1, "straggler_rank": -1, "straggler_ms": 50.0, "bucket_cap_mb": 25.0}
+            "slow_getitem_ms": 0.0, "slow_getitem_rank": -1, "straggler_rank": -1, "straggler_ms": 50.0, "bucket_cap_mb": 25.0,
+            "grad_accum": 1, "sync_every_micro_batch": False}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--straggler-rank", type=int)
     p.add_argument("--straggler-ms", type=float)
     p.add_argument("--bucket-cap-mb", type=float)
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (no_sync() on all but the last)")
+    p.add_argument("--sync-every-micro-batch", action="store_true", default=None,
+                   help="with --grad-accum: all-reduce after every micro-batch (no no_sync(): the mistake)")
     p.add_argument("--trace-dir", default=None, help="record torch.profiler traces here")
     p.add_argument("--profile-wait", type=int, default=2)
     p.add_argument("--profile-warmup", type=int, default=2)
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     if distributed and not args.no_ddp:
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    n = args.batch_size * (args.steps + 2)
+    n = args.batch_size * args.grad_accum * (args.steps + 2)
     loader = DataLoader(
         SyntheticDataset(n, args.dim, args.slow_getitem_ms if args.slow_getitem_rank in (-1, rank) else 0.0),
         batch_size=args.batch_size,
@@ -200,19 +213,31 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     step = 0
     step_times: list[float] = []
     t_last = time.perf_counter()
-    for x, y in loader:
-        if step >= args.steps:
-            break
+    batches = iter(loader)
+    while step < args.steps:
         if rank == args.exit_early_rank and step >= args.exit_early_step:
             os._exit(0)  # a rank that dies mid-run, without cleanup
         if rank == args.stall_rank and step == args.stall_at_step:
             time.sleep(args.stall_s)  # a rank stuck (I/O, a hung filesystem)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        if rank == args.straggler_rank:
-            time.sleep(args.straggler_ms / 1000.0)  # a slow host, a noisy neighbour
-        loss.backward()
+        ran_out = False
+        for micro in range(args.grad_accum):
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                ran_out = True
+                break
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # no_sync() skips the gradient all-reduce of every micro-batch but the last
+            skip = (micro < args.grad_accum - 1 and not args.sync_every_micro_batch
+                    and isinstance(model, nn.parallel.DistributedDataParallel))
+            with model.no_sync() if skip else contextlib.nullcontext():
+                loss = loss_fn(model(x), y) / args.grad_accum
+                if rank == args.straggler_rank:
+                    time.sleep(args.straggler_ms / 1000.0)  # a slow host, a noisy neighbour
+                loss.backward()
+        if ran_out:
+            break
         opt.step()
         step += 1
         if prof is not None:

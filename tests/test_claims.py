@@ -299,14 +299,15 @@ def test_microbatches_and_bound_of_a_scheduled_pipeline_come_from_its_labels():
 # ---- each check decides at its own threshold ------------------------------------------------------
 FIELD = {"dataloader_starvation": "input_bound", "input_stall": "input_stall", "exposed_communication": "communication",
          "device_wait": "device_wait", "pipeline_bubble": "pipeline_bubble", "checkpoint_io": "checkpoint",
-         "host_sync": "host_sync"}
+         "host_sync": "host_sync", "grad_sync": "grad_sync"}
 """Check -> the Thresholds field it flags from (launch_overhead: per device, below). The straggler's
 floor also chooses which ranks it names, so it has its own boundary tests (tests/test_straggler.py)."""
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.mark.parametrize("where", ["kineto_resnet50_dataloader_v100/nw0", "param_dlrm_8rank_v100",
-                                   "hta_sampled_2rank_of128", "cpu_pipeline_2rank", "cpu_checkpoint_2rank"])
+                                   "hta_sampled_2rank_of128", "cpu_pipeline_2rank", "cpu_checkpoint_2rank",
+                                   "cpu_accum_nosync_2rank"])
 def test_each_check_decides_at_its_own_threshold(where):
     """With every floor at zero each check that measures a cause flags, with the share it decides
     on (the replay's where the step model is faithful); set that check's own threshold 0.3% of the

@@ -50,6 +50,24 @@ def test_injected_cause_ranks_first(tmp_path, pathology, top, ranks):
     assert sidecars == ["rank0.probe.json", "rank1.probe.json"]
 
 
+def test_accumulation_without_no_sync_is_named(tmp_path):
+    """4 micro-batches per step, each all-reduced (the loop forgets no_sync()): grad_sync flags it
+    with the count as evidence (the same job with no_sync() is the recorded fixture
+    tests/fixtures/cpu_accum_2rank, where it passes)."""
+    res = diagnose_run(tmp_path, "--pathology", "accum-no-sync", "--steps", "9")
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = verdict(tmp_path)
+    f = next(f for f in d["findings"] if f["id"] == "grad_sync")
+    m = f["metrics"]
+    assert m["micro_batches_per_step"] == 4 and f["ranks"] == [0, 1], m
+    assert m["allreduces_before_last_micro_batch"] == 0.75 * m["allreduces_per_step"], m
+    assert "no_sync()" in f["fix"] and f["events"], f
+    # the probes saw the same: every step record holds 4 bucket all-reduces per bucket
+    steps = [json.loads(x) for x in (run_dir(tmp_path) / "traces" / "rank0.steps.jsonl").read_text().splitlines()]
+    counts = {sum(c[0] == "ddp_bucket_allreduce" for c in s["collectives"]) for s in steps[1:]}
+    assert len(counts) == 1 and counts.pop() % 4 == 0, steps[1]
+
+
 def test_healthy_run_flags_nothing(tmp_path):
     # On this two-core VM the two cores are not equal: a spin loop pinned to each ran 25.7M and
     # 21.5M iterations side by side (and 25.9M / 38.3M alone) on 2026-12-01, so one rank of a
@@ -155,8 +173,10 @@ def test_sigterm_during_trace_write_leaves_complete_or_no_trace(tmp_path):
     deadline = time.monotonic() + 90
     hit = False
     while time.monotonic() < deadline and job.poll() is None:
-        # the exporter's temp file appears in the probe directory while the trace is written
-        if out.exists() and any(p.name.startswith(".rank0.") for p in out.iterdir()):
+        # the exporter's temp directory appears in the probe directory while the trace is written
+        # (`.rank0.<stamp>.pt.trace.json.gz.<hex>.tmp`; the sidecar's, `.rank0.probe.json...`, comes
+        # at step 1, before any step but the excluded warm-up one is recorded: once caught here)
+        if out.exists() and any(p.name.startswith(".rank0.") and ".pt.trace." in p.name for p in out.iterdir()):
             hit = True
             break
         time.sleep(0.002)

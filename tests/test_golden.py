@@ -31,7 +31,8 @@ SETS = ["kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/
         "hta_sampled_2rank_of128", "hta_nccl_data_rank0of2_a100", "edge_hta_ddp_world1_v100",
         "edge_hta_cpu_only_gloo_rank34of300", "edge_hta_no_distributedinfo"]
 RECORDED = ["cpu_straggler_2rank", "cpu_straggler_dataloader_2rank", "cpu_checkpoint_2rank", "cpu_pipeline_2rank",
-            "cpu_pipelining_2rank", "cpu_lightning_straggler_2rank", "cpu_fsdp2_straggler_2rank"]
+            "cpu_pipelining_2rank", "cpu_lightning_straggler_2rank", "cpu_fsdp2_straggler_2rank",
+            "cpu_accum_nosync_2rank", "cpu_accum_2rank"]
 
 
 def _round(x):
