@@ -8,6 +8,9 @@ Python API::
             loss = model(batch).sum(); loss.backward(); opt.step(); opt.zero_grad()
             w.step()
 
+Frameworks that own the loop: `start(out_dir)` returns a Session (`step()` per optimizer step,
+`close()` at the end); probes.hf and probes.lightning wrap it as callbacks.
+
 Zero code change: `diagnose run --out DIR -- torchrun --nproc_per_node=N train.py ARGS`
 (the launcher puts `probes/bootstrap` on PYTHONPATH; its sitecustomize loads this
 package by absolute path and calls `install_from_env`). Both write per-rank traces, every-step timings and a metadata

@@ -237,11 +237,11 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
         ck = ev[_kind_mask(ev, KIND_COMM_KERNEL)]
         comm = union(ck["ts"], ck["ts"] + ck["dur"])
     else:
-        reducer = ev[host_kinds & _names_matching(ev, COMM_WRAPPERS)]
-        reducer_set = union(reducer["ts"], reducer["ts"] + reducer["dur"])
-        compute = subtract(subtract(host_busy, dataloader), reducer_set)
+        wrappers = ev[host_kinds & _names_matching(ev, COMM_WRAPPERS)]
+        wrapper_set = union(wrappers["ts"], wrappers["ts"] + wrappers["dur"])
+        compute = subtract(subtract(host_busy, dataloader), wrapper_set)
         cc = ev[cpu_comm]
-        comm = merge(union(cc["ts"], cc["ts"] + cc["dur"]), reducer_set)
+        comm = merge(union(cc["ts"], cc["ts"] + cc["dur"]), wrapper_set)
     collectives = _collectives(trace, is_gpu, steps, comm_tids)
     cr = ev[host_kinds & ~on_comm_thread & _names_matching(ev, COMPILED_REGION)]
     return RankTimeline(rank=rank, file=trace.path.name, is_gpu=is_gpu, step_source=source, steps=steps,
