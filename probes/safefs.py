@@ -33,6 +33,10 @@ class UnsafePath(OSError):
     """A name in a run directory is not what the tool may safely use (symlink, FIFO, foreign owner...)."""
 
 
+class TempSwapped(UnsafePath):
+    """Our fresh temp directory was replaced by someone else's before we opened it."""
+
+
 def umask() -> int:
     """The process umask, read without changing it (os.umask would race with other threads)."""
     try:
@@ -150,10 +154,11 @@ class SafeDir:
                     tmp.write_new(name, data, mode)
                     tmp.publish(name, name)
                 return
-            except FileNotFoundError:
-                # in a directory others may write to (no sticky bit), someone can rename an empty
-                # directory over our fresh temp one: it is gone, nothing was written through it.
-                # A new temp directory, a few times, then the error.
+            except (FileNotFoundError, TempSwapped):
+                # in a directory others may write to (no sticky bit), someone can rename our fresh
+                # temp directory away, or put their own in its place before we open it: nothing was
+                # written through it (we refuse theirs). A new temp directory, a few times, then
+                # the error.
                 if attempt == 2:
                     raise
 
@@ -180,6 +185,10 @@ class SafeDir:
         os.mkdir(name, 0o700, dir_fd=self.fd)
         try:
             fd = _open_dir(name, self.fd, True, self.path / name)
+        except UnsafePath as exc:
+            _rmdir_quietly(name, self.fd)
+            # between our mkdir and open someone put their own entry in its place
+            raise TempSwapped(str(exc)) from None
         except BaseException:
             _rmdir_quietly(name, self.fd)
             raise

@@ -410,3 +410,28 @@ def test_concurrent_collectives_count_once_in_the_step_record(tmp_path):
     rec = json.loads((tmp_path / "traces" / "rank0.steps.jsonl").read_text().splitlines()[0])
     assert rec["comm_ms"] == pytest.approx(45.0, abs=1e-3)  # 0-40 and 50-55, not 30 + 30 + 5
     assert rec["comm_ms"] <= rec["dur_ms"]
+
+
+def test_a_temp_directory_swapped_before_it_is_opened_is_refused_and_the_write_retried(tmp_path, monkeypatch):
+    """The race the swapped-temp-names test loses about once in a few hundred writes, made certain:
+    right after our mkdir, our temp directory is moved away and a symlink to elsewhere put in its
+    place. The writer refuses it (never writes through it) and retries with a fresh name."""
+    from diagnose.probes import safefs
+
+    d = tmp_path / "shared"
+    d.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    real_mkdir, swapped = os.mkdir, []
+
+    def mkdir_then_swap(name, mode=0o777, *, dir_fd=None):
+        real_mkdir(name, mode, dir_fd=dir_fd)
+        if not swapped and str(name).endswith(safefs.TMP_SUFFIX):
+            os.rename(name, f"{name}.moved", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.symlink(elsewhere, name, dir_fd=dir_fd)
+            swapped.append(name)
+
+    monkeypatch.setattr(safefs.os, "mkdir", mkdir_then_swap)
+    write_atomic(d / "report.html", b"<html>ok</html>")
+    assert swapped and (d / "report.html").read_bytes() == b"<html>ok</html>"
+    assert not any(elsewhere.iterdir())  # nothing was written through the planted link
