@@ -15,7 +15,7 @@ Model (aligned clocks, every rank loaded):
 - A blocked stretch of a lane ends at a *resume* point that depends on the end of the
   collective it waited for (the latest one on the rank ending inside the stretch). A stretch that
   ends before any of its collectives end, but after one's last participant arrived, resumes at
-  that last arrival plus the measured delay (CPU ranks: a main thread waiting at the end of
+  that last arrival plus the rank's transfer, less the measured tail it did not wait for (CPU ranks: a main thread waiting at the end of
   backward resumes while the gloo thread still closes the transfer: waiting for a late peer all
   the same, so it moves with that peer). A blocked
   stretch neither explains stays lane time; where it lies between one of the rank's
@@ -86,8 +86,9 @@ class StepGraph:
     """RESUME: the COLL_END it waited for; its lag (measured resume minus that end) is in lag."""
     lag: np.ndarray
     after_arrival: np.ndarray
-    """RESUME: waits for its collective's last arrival (group), not its end; lag is measured from
-    that arrival (a resume before the transfer's end: the end is a later node)."""
+    """RESUME: waits for its collective's last arrival (group), not its end (a later node): it
+    comes at that arrival plus the rank's transfer plus lag (<= 0: how long before the transfer's
+    end the lane went on), so shrinking the transfer moves it too."""
     n_groups: int
     group_key: pd.DataFrame
     """One row per collective instance: step, pg, seq."""
@@ -246,7 +247,9 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     for v in res:
         e = end_node_of_row[int(ref[v])]
         resume_of[v] = e
-        lag[v] = time[v] - group_latest[group[v]] if after_arrival[v] else max(time[v] - time[e], 0.0)
+        # after-arrival resumes keep how long before the transfer's end the lane went on (<= 0): the
+        # replay places them at the last arrival plus the (edited) transfer less that
+        lag[v] = time[v] - time[e] if after_arrival[v] else max(time[v] - time[e], 0.0)
 
     # lane chains and the composition of each lane edge
     lane_prev = np.full(n, -1, dtype=np.int64)
@@ -315,8 +318,9 @@ def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray 
         elif k == RESUME:
             if g.after_arrival[v]:  # the last arrival is processed by now (measured before this point)
                 gi = group[v]
-                if group_start[gi] + g.lag[v] > t[v]:
-                    t[v], via[v], via_cat[v] = group_start[gi] + g.lag[v], group_last[gi], ORDER
+                at = group_start[gi] + max(tr[resume_of[v]] + g.lag[v], 0.0)
+                if at > t[v]:
+                    t[v], via[v], via_cat[v] = at, group_last[gi], ORDER
                 continue
             e = resume_of[v]
             if t[e] + g.lag[v] > t[v]:
