@@ -6,7 +6,7 @@ training thread, the time inside the framework's span that none of the events ne
 (the thread is blocked there: Lightning's `Optimizer.step#...` holding the closure, FSDP2's
 `FSDP::all_gather`). Tolerance: 10% of that time per step; the breakdown's straggler wait is the
 wait for the last rank alone, the raw figure also holds the transfers themselves and the span's
-other, short waits (measured: 2.5-10.7 ms a step on these ~150 ms waits).
+other, short waits (measured: 2.2-10.7 ms a step on these ~150 ms waits).
 """
 from __future__ import annotations
 

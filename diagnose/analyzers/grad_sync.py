@@ -25,6 +25,7 @@ from diagnose.analyzers.common import confidence_for, flag_or_pass, passed
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, RankTrace
 from diagnose.model import Check, Finding
+from diagnose.step.bandwidth import collective_kind
 from diagnose.step.intervals import covered, subtract
 from diagnose.step.timeline import RankTimeline, _names_matching
 from diagnose.thresholds import Thresholds
@@ -36,7 +37,6 @@ FIX = ("Wrap every micro-batch but the last in `with model.no_sync():` (DDP), so
        "micro-batches. The Hugging Face Trainer, accelerate's `accumulate()` and Lightning's "
        "accumulate_grad_batches do this for you.")
 DDP_FORWARD = re.compile(r"^DistributedDataParallel\.forward$")
-ALL_REDUCE = re.compile(r"all_?reduce", re.IGNORECASE)
 TOP = 4  # evidence events per rank
 
 
@@ -73,14 +73,14 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> Accumulation:
     fw = fw[~fw["tid"].astype(str).isin(tl.comm_threads)].sort_values("ts")
     if fw.empty or tl.steps.empty:
         return Accumulation(ddp=False, **NONE)
-    coll = tl.collectives[(tl.collectives["step"] >= 0)
-                          & tl.collectives["name"].astype(str).str.contains(ALL_REDUCE)]
+    c = tl.collectives
+    coll = c[(c["step"] >= 0) & np.array([collective_kind(str(n)) == "all_reduce" for n in c["name"]], dtype=bool)]
+    starts_all = fw["ts"].to_numpy()
     exposed = subtract(tl.comm, tl.compute)
     n = syncing = 0
     micro, early_n, all_n, early_ms, rows = [], [], [], [], []
     for s in tl.steps.itertuples():
-        starts = fw["ts"].to_numpy()
-        starts = starts[(starts >= s.start) & (starts < s.end)]
+        starts = starts_all[(starts_all >= s.start) & (starts_all < s.end)]
         if len(starts) < 2:
             continue
         n += 1
