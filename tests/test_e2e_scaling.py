@@ -50,9 +50,18 @@ def test_straggler_is_the_largest_bar_and_runs_reanalyse(straggler):
 
 
 def test_allreduce_dominated_model_loses_speedup_to_communication(tmp_path):
-    # a wide model on tiny batches: the 2-rank all-reduce of ~10 MB dwarfs the compute
+    """A wide model on tiny batches: the 2-rank all-reduce of ~10 MB dwarfs the compute, and exposed
+    communication is the largest cause of the lost speedup; removing it is the what-if that gives
+    back most. Compute inflation is not a cause but the growth left with every cause removed: on this
+    2-core host the second rank's gloo thread reduces its 10 MB and DDP copies gradients into buckets
+    on the same two cores (one run: aten::copy_ +3.4, aten::mm +2.4, aten::div_ +1.1 ms per step from
+    N=1 to N=2), so it came to 2.8-12.3 ms against 10.4-11.5 ms of communication in four runs, above it
+    once (and once in CI): a real loss of this host, not a misread cause."""
     s, res = scale(tmp_path, "--batch-size", "8", "--hidden", "1024", "--repeat", "1")
-    assert s["waterfall"][0]["id"] == "exposed_communication", res.stdout
+    causes = [b["id"] for b in s["waterfall"] if b["id"] not in ("compute_inflation", "unexplained")]
+    assert causes[0] == "exposed_communication", res.stdout
+    single = {w["id"]: w["step_ms"] for w in s["what_if"] if w["id"] != "every_cause"}
+    assert min(single, key=single.get) == "exposed_communication", res.stdout
     assert "unexplained" in [b["id"] for b in s["waterfall"]]
 
 

@@ -75,16 +75,34 @@ def host_self_times(ev: pd.DataFrame, tl: RankTimeline) -> pd.DataFrame:
 
     Self times are taken before those are left out: a pipeline stage's "Backward 0" annotation
     holding an 88 ms blocking gloo:recv has that recv subtracted, so the wait is never counted as
-    the annotation's own (per-op) time."""
+    the annotation's own (per-op) time.
+
+    An op that starts in a step ends, here, no later than that step: a step boundary taken inside an
+    op (the probes step the profiler from an optimizer step post-hook, so `Optimizer.step` holds the
+    next step's start, and on the last profiled step the trace export: 100 ms in one 25 ms step)
+    would otherwise book time outside every step as that op's own."""
     host = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
     framing = pd.Series(closure_steps(ev), index=ev.index)  # a closure's Optimizer.step holds waits, not work
     ops = ev[host & ~ev["tid"].astype(str).isin(tl.comm_threads).to_numpy()]
+    ops = ops.assign(dur=_clipped_to_step(ops, tl))
     ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
     ops = ops.assign(self_us=self_times(ops))
     skip = (_names_matching(ops, PROFILER_STEP) | _names_matching(ops, DATALOADER)
             | _names_matching(ops, CPU_COMM_ENQUEUE) | _names_matching(ops, CPU_COMM_TRANSFER)
             | framing.loc[ops.index].to_numpy())
     return ops[~skip]
+
+
+def _clipped_to_step(ops: pd.DataFrame, tl: RankTimeline) -> np.ndarray:
+    """Each op's duration, cut at the end of the step it starts in (ops outside steps unchanged)."""
+    ts, dur = ops["ts"].to_numpy(dtype=float), ops["dur"].to_numpy(dtype=float)
+    lo, hi = tl.steps["start"].to_numpy(dtype=float), tl.steps["end"].to_numpy(dtype=float)
+    if not len(lo):
+        return dur
+    k = np.searchsorted(lo, ts, side="right") - 1
+    end = hi[np.clip(k, 0, None)]
+    inside = (k >= 0) & (ts < end)
+    return np.where(inside, np.minimum(dur, end - ts), dur)
 
 
 def self_times(df: pd.DataFrame) -> np.ndarray:
