@@ -55,12 +55,12 @@ def main() -> None:
 
 
 def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
-                      hta: HtaOptions | None = None) -> int:
+                      hta: HtaOptions | None = None, link=None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
     try:
         from diagnose.output import analyze_outputs  # lazily: the CLI starts light
 
-        analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta)
+        analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta, link=link)
     except DiagnoseError as exc:
         fail(str(exc))
     return 0
@@ -77,13 +77,23 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
 @click.option("--hta-budget-mb", default=256.0, show_default=True,
               help="Largest expanded trace size (all ranks) HTA may load.")
 @click.option("--hta-timeout", default=180.0, show_default=True, help="Seconds HTA may run before it is stopped.")
+@click.option("--link-gbps", default=None, metavar="INTRA[,INTER]",
+              help="The link's peak bus bandwidth in GB/s, within a host and between hosts (what nccl-tests' "
+                   "all_reduce_perf reaches on these machines): each process group's bandwidth is judged against it.")
 def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None, hta: bool,
-            hta_budget_mb: float, hta_timeout: float) -> None:
+            hta_budget_mb: float, hta_timeout: float, link_gbps: str | None) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
     from diagnose.output import HtaOptions
+    from diagnose.step.link import LinkSpec  # light: no pandas behind it
 
+    link = None
+    if link_gbps is not None:
+        try:
+            link = LinkSpec.parse(link_gbps)
+        except ValueError as exc:
+            fail(f"--link-gbps: {exc}")
     opts = HtaOptions(hta_budget_mb, hta_timeout) if hta else None
-    sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs, opts))
+    sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs, opts, link))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -121,7 +121,17 @@ def terminal_summary(d: Diagnosis) -> str:
                 wait = "; includes waits: one rank loaded" if g["transfer"].startswith("own") else ""
                 line += (f"; {human(g['median_bytes'])} in {g['median_transfer_ms']:.2f} ms, {bus} "
                          f"[{g['regime']}{wait}]")
+            if g.get("link_verdict") in ("near peak", "below peak", "far below"):
+                line += f"; {g['link_verdict']}: {g['link_share']:.0%} of {g['link_gbps']:g} GB/s ({g['link']} link)"
+            elif g.get("link_verdict") == "lower bound":
+                line += f"; at least {g['link_share']:.0%} of {g['link_gbps']:g} GB/s ({g['link']} link): no verdict"
+            if g.get("tp_spans_hosts"):
+                line += f"; a tensor-parallel-sized group over {g['hosts']} hosts"
             lines.append(line)
+        if any(g.get("link_verdict") == "link unknown" for g in groups):
+            lines.append("  against the link: no verdict; " + next(
+                g["link_text"].split("no verdict on the link: ", 1)[-1] for g in groups
+                if g.get("link_verdict") == "link unknown"))
     if d.warnings:
         lines.append("")
         lines.append("warnings:")
@@ -161,7 +171,8 @@ class HtaOptions:
 
 
 def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
-                    echo: bool = True, hta: HtaOptions | None = None, probe_paths: list[str] | None = None) -> None:
+                    echo: bool = True, hta: HtaOptions | None = None, probe_paths: list[str] | None = None,
+                    link=None) -> None:
     """The shared tail of every diagnosing command; raises DiagnoseError on bad input."""
     from diagnose.output import terminal_summary, write_json
     from diagnose.pipeline import diagnose_paths
@@ -169,7 +180,7 @@ def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs
     progress = ProgressLine() if echo and sys.stderr.isatty() else None
     try:
         d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs, progress=progress,
-                           probe_paths=probe_paths)
+                           probe_paths=probe_paths, link=link)
     finally:
         if progress is not None:
             progress.close()

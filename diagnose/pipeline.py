@@ -17,6 +17,7 @@ from diagnose.step.bandwidth import comm_table
 from diagnose.step.graph import critical_segments
 from diagnose.step.idle import CLASSES, LATENCY
 from diagnose.step.intervals import clip
+from diagnose.step.link import LinkSpec, group_ranks, judge
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.whatif import annotate
 
@@ -81,14 +82,17 @@ def run_checklist(ctx: Context, th: Thresholds) -> tuple[list[Check], list[str]]
     return checks, warnings
 
 
-def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData] | None = None) -> Diagnosis:
+def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData] | None = None, *,
+                 link: LinkSpec | None = None) -> Diagnosis:
+    """link: the link's peak bus bandwidth as the user gives it (--link-gbps), for the
+    communication table's verdict on each group (diagnose/step/link.py)."""
     ctx = build_context(run, probes)
     checks, warnings = run_checklist(ctx, th)
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
     extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx), "top_ops": _top_ops_extra(ctx),
-              "comm_groups": _comm_groups_extra(ctx), "compiled": _compiled_extra(ctx)}
+              "comm_groups": _comm_groups_extra(ctx, th, link), "compiled": _compiled_extra(ctx)}
     if ctx.model is not None:
         try:  # each cause's ms from the one model of the step: the replay with it removed
             named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
@@ -210,9 +214,10 @@ def _top_ops_extra(ctx: Context) -> dict:
     return {"ranks": out} if out else {}
 
 
-def _comm_groups_extra(ctx: Context) -> dict:
+def _comm_groups_extra(ctx: Context, th: Thresholds, link: LinkSpec | None) -> dict:
     """Communication per process group and collective kind: exposed ms per step and, where sizes
-    are recorded, size, transfer time and bandwidth (diagnose/step/bandwidth.py)."""
+    are recorded, size, transfer time and bandwidth (diagnose/step/bandwidth.py), each group judged
+    against the link (diagnose/step/link.py)."""
     def r(x, nd):
         return round(x, nd) if x is not None else None
 
@@ -220,12 +225,26 @@ def _comm_groups_extra(ctx: Context) -> dict:
         rows = comm_table(ctx.run, ctx.matched)
     except Exception as exc:  # noqa: BLE001 - material for the report: the verdict stands without it
         return {"error": one_line(f"{type(exc).__name__}: {exc}")[:300]}
-    return {"groups": [{"group": g.group, "kind": g.kind, "ranks": g.ranks, "count": g.count,
-                        "exposed_ms_per_step": round(g.exposed_ms_per_step, 4), "sized": g.sized,
-                        "median_bytes": int(g.median_bytes) if g.median_bytes is not None else None,
-                        "median_transfer_ms": r(g.median_transfer_ms, 4), "algbw_gbps": r(g.algbw_gbps, 3),
-                        "busbw_gbps": r(g.busbw_gbps, 3), "regime": g.regime, "transfer": g.transfer}
-                       for g in rows]} if rows else {}
+    if not rows:
+        return {}
+    pgs = [pg for t in ctx.run.traces.values() for pg in ((t.meta.get("distributedInfo") or {}).get("pg_config") or [])
+           if isinstance(t.meta.get("distributedInfo"), dict)]
+    hosts = {rk: str(p.meta["host"])[:100] for rk, p in ctx.probes.items() if p.meta.get("host")}
+    world = ctx.run.world_size or len(ctx.run.ranks)
+    out = []
+    for g in rows:
+        row = {"group": g.group, "kind": g.kind, "ranks": g.ranks, "count": g.count,
+               "exposed_ms_per_step": round(g.exposed_ms_per_step, 4), "sized": g.sized,
+               "median_bytes": int(g.median_bytes) if g.median_bytes is not None else None,
+               "median_transfer_ms": r(g.median_transfer_ms, 4), "algbw_gbps": r(g.algbw_gbps, 3),
+               "busbw_gbps": r(g.busbw_gbps, 3), "regime": g.regime, "transfer": g.transfer}
+        if g.group:  # the row outside collectives moves nothing a link carries
+            v = judge(g, group_ranks(pgs, g.group, ctx.run.ranks), hosts, world, link, th)
+            row.update({"hosts": v.hosts, "link": v.link, "link_gbps": v.link_gbps, "link_share": r(v.share, 4),
+                        "link_verdict": v.verdict, "link_text": v.text, "tp_spans_hosts": v.tp_spans_hosts})
+        out.append(row)
+    given = {"intra_gbps": link.intra_gbps, "inter_gbps": link.inter_gbps} if link is not None else None
+    return {"groups": out, "link_given": given}
 
 
 def _compiled_extra(ctx: Context) -> dict:
@@ -258,11 +277,11 @@ def _lateness_extra(ctx: Context) -> dict:
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jobs: int | None = None, progress: Progress | None = None,
-                   probe_paths: list[str | Path] | None = None) -> Diagnosis:
+                   probe_paths: list[str | Path] | None = None, link: LinkSpec | None = None) -> Diagnosis:
     """probe_paths: where the probes' sidecars and step logs are, when not beside the traces (a
-    capture's traces sit in a subdirectory of the run's probe directory)."""
+    capture's traces sit in a subdirectory of the run's probe directory). link: see diagnose_run."""
     run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress)
     probes = load_probe_data(paths if probe_paths is None else probe_paths)
     for p in probes.values():
         run.warnings.extend(p.warnings)
-    return diagnose_run(run, th, probes)
+    return diagnose_run(run, th, probes, link=link)

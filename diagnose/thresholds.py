@@ -48,6 +48,17 @@ class Thresholds:
     """CPU-only traces: flag per-op overhead (op count x the floor cost of a trivial op,
     plus host gaps between ops) from 10% of the step."""
 
+    link_near_peak: float = 0.70
+    """A bandwidth-bound group's bus bandwidth is "near the link's peak" from 70% of the figure the
+    user gives (--link-gbps: what nccl-tests' all_reduce_perf reaches on the same machines, itself a
+    collective's best case): with under a third of it left, a faster link or better topology gains
+    little, and only sending fewer bytes helps (diagnose/step/link.py)."""
+
+    link_far_below: float = 0.30
+    """...and "far below" it under 30%: more than 3x slower than the machines' own benchmark is a
+    structural cause (a transport fallback, e.g. NVLink or InfiniBand to PCIe or TCP sockets, costs
+    3-10x), not a tuning margin."""
+
     severity_high: float = 0.20
     """Any finding at >= 20% of the step is high severity."""
 

@@ -178,12 +178,13 @@ def _comm_groups_section(extras: dict) -> str:
         return ""
 
     def cells(g: dict) -> str:
+        link = f'<td>{esc(g.get("link_text"))}</td>' if g.get("link_text") else '<td class=muted>-</td>'
         if not g.get("sized"):
-            return '<td class=muted colspan=6>sizes not recorded</td>'
+            return '<td class=muted colspan=6>sizes not recorded</td>' + link
         return (f'<td class=num>{esc(human(num(g.get("median_bytes"))))}</td>'
                 f'<td class=num>{fmt_ms(g.get("median_transfer_ms"), 3)}</td>'
                 f'<td class=num>{fmt_value(g.get("algbw_gbps"))}</td><td class=num>{fmt_value(g.get("busbw_gbps"))}</td>'
-                f'<td>{esc(g.get("regime"))}</td><td>{esc(g.get("transfer"))}</td>')
+                f'<td>{esc(g.get("regime"))}</td><td>{esc(g.get("transfer"))}</td>' + link)
 
     rows = "".join(f'<tr><td>{esc(g.get("group")) or "-"}</td><td>{esc(g.get("kind"))}</td>'
                    f'<td class=num>{fmt_value(g.get("ranks"))}</td><td class=num>{fmt_value(g.get("count"))}</td>'
@@ -193,11 +194,12 @@ def _comm_groups_section(extras: dict) -> str:
             'the median rank. Size, transfer and bandwidth are medians over the collectives whose size the trace '
             'records; bus bandwidth as nccl-tests counts it, comparable with the link\'s peak. The transfer runs '
             'from the last rank\'s arrival, so waiting for a late rank is not counted against the link (with one '
-            'rank loaded it is, and the table says so).</p>'
+            'rank loaded it is, and the table says so). Against the link: bandwidth-bound groups judged against '
+            'the peak given with --link-gbps (diagnose/step/link.py); without it, no verdict.</p>'
             '<table class="comm-groups"><thead><tr><th>Group</th><th>Collective</th><th class=num>Ranks</th>'
             '<th class=num>Count</th><th class=num>Exposed per step</th><th class=num>Size</th>'
             '<th class=num>Transfer</th><th class=num>Alg. GB/s</th><th class=num>Bus GB/s</th><th>Regime</th>'
-            f'<th>Transfer measured</th></tr></thead><tbody>{rows}</tbody></table>')
+            f'<th>Transfer measured</th><th>Against the link</th></tr></thead><tbody>{rows}</tbody></table>')
 
 
 REPLAY_PARTS = {"dataloader": "DataLoader wait", "compute": "compute and host work", "communication": "communication",

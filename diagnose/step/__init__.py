@@ -5,6 +5,10 @@
 - `collectives`: collectives matched across ranks: arrival, lateness, the wait each rank imposes.
 - `breakdown`: each rank's step split into disjoint components that sum to the step.
 - `idle`: why a GPU idles: every idle gap attributed to one cause from its launch link.
+- `graph`: every rank's steps as one dependency graph; its replay is where each finding's ms come
+  from (`diagnose/whatif.py` edits it).
+- `bandwidth`: communication by process group and collective kind: exposed time, size, bus bandwidth.
+- `link`: each group's bus bandwidth judged against the link the user names (`--link-gbps`).
 
 Commands (`diff`, `scaling`, `oncall`, ...) and the checklist (`analyzers/`) are built on
 these; nothing here imports them.
