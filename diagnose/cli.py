@@ -256,6 +256,40 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
         fail(str(exc))
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+def changes(run_dir: Path) -> None:
+    """When did the job get slow? Change points over the whole run, from every step of every rank.
+
+    Reads only the probes' light-mode records (rank*.steps.jsonl, rank*.probe.json): no trace is
+    needed, and it works on a running job.
+    """
+    from diagnose.analyzers.fail_slow import describe
+    from diagnose.oncall import probe_dir
+    from diagnose.probedata import load_probe_data
+    from diagnose.step.changes import run_changes
+    from diagnose.thresholds import DEFAULT
+
+    try:
+        pdir = probe_dir(run_dir, note)
+    except DiagnoseError as exc:
+        fail(str(exc))
+    probes = {r: p for r, p in load_probe_data([pdir]).items() if not p.steps.empty}
+    for p in probes.values():
+        for w in p.warnings:
+            note(f"diagnose: warning: {w}")
+    if not probes:
+        fail(f"{pdir}: no step records to read")
+    n = max(len(p.steps) for p in probes.values())
+    events = run_changes(probes, DEFAULT.fail_slow_min_segment, DEFAULT.fail_slow_effect)
+    click.echo(f"{len(probes)} rank(s), {n} steps recorded; changes of {DEFAULT.fail_slow_effect:.0%} of the step "
+               f"or more lasting {DEFAULT.fail_slow_min_segment} steps:")
+    if not events:
+        click.echo("  none: the job ran at one speed")
+    for e in events:
+        click.echo(one_line("  " + describe(e)))
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--nproc", default=None, help="World sizes to run, e.g. 1,2,4 (launches torchrun for each).")
 @click.option("--runs", "runs", multiple=True, metavar="N=DIR",

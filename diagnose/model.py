@@ -20,6 +20,8 @@ FindingId = Literal[
     "pipeline_bubble",
     "checkpoint_io",
     "host_sync",
+    "grad_sync",
+    "fail_slow",
 ]
 Severity = Literal["high", "medium", "low"]
 Confidence = Literal["high", "medium", "low"]
@@ -40,6 +42,8 @@ CHECK_ORDER: tuple[str, ...] = (
     "host_sync",
     # configuration mistakes behind the causes above
     "grad_sync",
+    # over the whole run, from the every-step record: when it got slow, where, and what moved
+    "fail_slow",
 )
 
 

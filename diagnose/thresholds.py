@@ -59,6 +59,20 @@ class Thresholds:
     structural cause (a transport fallback, e.g. NVLink or InfiniBand to PCIe or TCP sockets, costs
     3-10x), not a tuning margin."""
 
+    fail_slow: float = 0.05
+    """Flag a slowdown found over the run from 5% of the step since the change (the input-bound
+    floor: what the field's tools call worth acting on)."""
+
+    fail_slow_effect: float = 0.20
+    """A change of level over the run counts from 20% of the rank's median step (whichever component
+    moved): this 2-core host drifts through phases of 10-20 steps where one rank runs ~30% slower in
+    compute, a few percent of its step; fleet studies' fail-slow events (a throttling GPU, a degraded
+    link, a slow mount) slow the step by tens of percent (diagnose/step/changes.py)."""
+
+    fail_slow_min_segment: int = 20
+    """...lasting at least 20 steps on either side: shorter runs of slow steps are the phases above, a
+    checkpoint, an evaluation; the change's step is still found to within a few steps."""
+
     severity_high: float = 0.20
     """Any finding at >= 20% of the step is high severity."""
 

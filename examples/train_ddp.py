@@ -26,6 +26,10 @@ Pathology flags (all off by default: a healthy run):
   --sync-every-micro-batch  ... without no_sync(): gradients all-reduced after every micro-batch
   --trace-dir DIR           record torch.profiler traces there (as a user would, without the probes)
 
+A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --slow-rank R (-1: all):
+  --slow-compute-ms MS      MS of extra compute per step (real CPU work, as a throttled device adds)
+  --slow-loader-ms MS       each Dataset.__getitem__ sleeps MS more (a storage mount turning slow)
+
 Launching: torchrun (above), or `python examples/train_ddp.py --spawn 2`: torch.multiprocessing.spawn
 starts the ranks itself and no RANK is set in their environment (as with mp.spawn, srun or mpirun
 scripts that pass the rank to init_process_group).
@@ -113,6 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append each step's wall time (ms) to STEP_LOG.rank{R} (for the overhead benchmark)")
     p.add_argument("--exit-early-rank", type=int, default=-1, help="this rank exits after --exit-early-step")
     p.add_argument("--exit-early-step", type=int, default=3)
+    p.add_argument("--slow-from-step", type=int, default=-1, help="a mid-run fault starts at this step")
+    p.add_argument("--slow-rank", type=int, default=-1, help="the rank the mid-run fault hits (-1: every rank)")
+    p.add_argument("--slow-compute-ms", type=float, default=0.0, help="extra compute per step from then")
+    p.add_argument("--slow-loader-ms", type=float, default=0.0, help="extra sleep per __getitem__ from then")
     p.add_argument("--spawn", type=int, default=0,
                    help="start this many ranks with torch.multiprocessing.spawn (no RANK in their environment)")
     args = p.parse_args(argv)
@@ -143,6 +151,14 @@ def build_model(args: argparse.Namespace) -> nn.Module:
         layers.append(SharedBlock(args.hidden, args.repeat))
     layers.append(nn.Linear(args.hidden, 1))
     return nn.Sequential(*layers)
+
+
+def _busy(ms: float) -> None:
+    """ms of real compute on this rank's thread: small matmuls until the time is up."""
+    end = time.perf_counter() + ms / 1000.0
+    a = torch.full((64, 64), 0.01)
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
 
 
 def _spawned(rank: int, argv: list[str] | None, world: int, port: int) -> None:
@@ -184,8 +200,9 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     n = args.batch_size * args.grad_accum * (args.steps + 2)
+    dataset = SyntheticDataset(n, args.dim, args.slow_getitem_ms if args.slow_getitem_rank in (-1, rank) else 0.0)
     loader = DataLoader(
-        SyntheticDataset(n, args.dim, args.slow_getitem_ms if args.slow_getitem_rank in (-1, rank) else 0.0),
+        dataset,
         batch_size=args.batch_size,
         num_workers=args.num_workers,
         pin_memory=args.pin_memory and use_cuda,
@@ -219,6 +236,9 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
             os._exit(0)  # a rank that dies mid-run, without cleanup
         if rank == args.stall_rank and step == args.stall_at_step:
             time.sleep(args.stall_s)  # a rank stuck (I/O, a hung filesystem)
+        fault = 0 <= args.slow_from_step <= step and args.slow_rank in (-1, rank)
+        if fault and args.slow_loader_ms:
+            dataset.slow_s = (args.slow_getitem_ms + args.slow_loader_ms) / 1000.0  # num_workers=0: at once
         opt.zero_grad(set_to_none=True)
         ran_out = False
         for micro in range(args.grad_accum):
@@ -238,6 +258,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
                 loss.backward()
         if ran_out:
             break
+        if fault and args.slow_compute_ms:
+            _busy(args.slow_compute_ms)
         opt.step()
         step += 1
         if prof is not None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from diagnose.analyzers import (checkpoint, communication, dataloader, device_wait, grad_sync, host_sync, launch,
-                                memory, pipeline_bubbles, straggler)
+from diagnose.analyzers import (checkpoint, communication, dataloader, device_wait, fail_slow, grad_sync, host_sync,
+                                launch, memory, pipeline_bubbles, straggler)
 from diagnose.context import Context
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import ReduceFailed
@@ -50,6 +50,8 @@ CHECKLIST: tuple[Entry, ...] = (
     Entry("host_sync", host_sync.analyze, host_sync.reduce, uses_idle=True),
     # configuration mistakes behind the causes above: gradients reduced on every micro-batch
     Entry("grad_sync", grad_sync.analyze, grad_sync.reduce),
+    # over the whole run (the probes' every-step record, no trace needed): when the job got slow
+    Entry("fail_slow", fail_slow.analyze),
 )
 
 

@@ -9,6 +9,8 @@
   from (`diagnose/whatif.py` edits it).
 - `bandwidth`: communication by process group and collective kind: exposed time, size, bus bandwidth.
 - `link`: each group's bus bandwidth judged against the link the user names (`--link-gbps`).
+- `changes`: the run over time: change points in every rank's step components, from the probes'
+  every-step record (no trace needed), read together as events (when, where, what moved).
 
 Commands (`diff`, `scaling`, `oncall`, ...) and the checklist (`analyzers/`) are built on
 these; nothing here imports them.

@@ -1,0 +1,92 @@
+"""Fail-slow: the job ran at one speed and then at a slower one. When, where, and what moved.
+
+Measured from the probes' every-step record over the whole run (diagnose/step/changes.py), not
+from the profiled steps: the change may come hours after the profiler window. The finding is the
+slowdown that costs most: the job's step (median over ranks) after the change minus before,
+per step since the change; its ranks are those whose own work (compute, the DataLoader) moved,
+or every rank's communication when no rank's own work did. A direct measurement of two levels,
+not a replay: the step graph holds only the profiled steps.
+"""
+from __future__ import annotations
+
+import time
+
+from diagnose.analyzers.common import flag_or_pass, not_measurable, passed
+from diagnose.context import Context
+from diagnose.model import Check, Finding
+from diagnose.step.changes import Event, run_changes
+from diagnose.thresholds import Thresholds
+
+ID = "fail_slow"
+TITLE = "Fail-slow: the job got slower during the run"
+WHAT = {"compute_ms": "compute", "dataloader_ms": "DataLoader wait", "comm_ms": "communication"}
+FIX = {
+    "compute_ms": ("The named rank(s) compute slower since the change: look at that host at that time: device "
+                   "clocks and throttle reasons (nvidia-smi -q -d PERFORMANCE,TEMPERATURE), power capping, other "
+                   "processes on it (a noisy neighbour, a runaway data job), then drain or replace it; the rest of "
+                   "the job waits for it at every collective."),
+    "dataloader_ms": ("Fetching batches slowed since the change: on every rank at once that is shared "
+                      "infrastructure (the storage mount, the data service, the network to it); on one host, its "
+                      "local disk or CPU. Check the storage's latency at that time; more DataLoader workers and "
+                      "prefetching hide a slower source until it recovers."),
+    "comm_ms": ("Communication slowed on every rank with no rank's own work moving: the network or its "
+                "configuration (link errors or flaps, congestion from other jobs, NCCL falling back to a slower "
+                "transport after a restart); check the fabric's counters and NCCL_DEBUG=INFO at that time."),
+}
+
+
+def when(wall_s: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(wall_s)) if wall_s else "time unknown"
+
+
+def describe(e: Event) -> str:
+    """One line an on-call engineer reads: when, where, what moved, and what it costs."""
+    text = (f"from step {e.step} ({when(e.wall_s)}): {e.place}, {WHAT.get(e.cause, e.cause)} "
+            f"{e.cause_delta_ms:+.1f} ms per step; the job's step {e.step_before_ms:.1f} -> {e.step_after_ms:.1f} ms "
+            f"({e.lost_ms:+.1f} ms)")
+    if e.place == "every rank" and e.lost_ms > 0:
+        text += "; no rank leads it: shared infrastructure (storage, network, the input pipeline)"
+    return text
+
+
+def analyze(ctx: Context, th: Thresholds) -> list[Check]:
+    probes = {r: p for r, p in ctx.probes.items() if not p.steps.empty}
+    if not probes:
+        return [not_measurable(ID, TITLE, "no every-step record: run the job under `diagnose run` (the probes "
+                               "log every step of every rank) to see when it got slow")]
+    n = max(len(p.steps) for p in probes.values())
+    if n < 2 * th.fail_slow_min_segment:
+        return [not_measurable(ID, TITLE, f"{n} steps recorded: a change of speed needs "
+                               f"{th.fail_slow_min_segment} steps on either side")]
+    events = run_changes(probes, th.fail_slow_min_segment, th.fail_slow_effect)
+    slower = [e for e in events if e.lost_ms > 0]
+    if not slower:
+        faster = f" ({len(events)} change(s) to a faster step)" if events else ""
+        return [passed(ID, TITLE, f"steady over {n} steps on {len(probes)} rank(s): no slowdown of "
+                       f"{th.fail_slow_effect:.0%} of the step or more lasting {th.fail_slow_min_segment} steps{faster}")]
+    e = max(slower, key=lambda x: x.lost_ms)
+    share = e.lost_ms / e.step_after_ms if e.step_after_ms > 0 else 0.0
+    metrics: dict[str, float | int | str] = {
+        "change_step": e.step, "change_time": when(e.wall_s), "cause_component": e.cause, "place": e.place,
+        "step_before_ms": round(e.step_before_ms, 3), "step_after_ms": round(e.step_after_ms, 3),
+        "cause_delta_ms": round(e.cause_delta_ms, 3), "steps_recorded": n, "slowdowns_found": len(slower),
+    }
+    for c in e.changes:
+        metrics[f"rank{c.rank}_{c.component}_delta_ms"] = round(c.delta_ms, 3)
+    first = min(int(p.steps["step"].min()) for p in probes.values())
+    last = max(int(p.steps["step"].max()) for p in probes.values())
+    hosts = sorted({str(ctx.probes[r].meta["host"]) for r in e.ranks if ctx.probes[r].meta.get("host")})
+    if hosts:
+        metrics["hosts"] = ", ".join(hosts)
+    # the profiled steps may all lie before the change: the title says which steps the figure is of
+    title = f"Fail-slow: the job got slower from step {e.step} ({when(e.wall_s)}), {e.step_before_ms:.1f} -> " \
+            f"{e.step_after_ms:.1f} ms per step"
+    f = Finding(id=ID, title=title, severity=th.severity(share), recoverable_ms=round(e.lost_ms, 3),
+                share_of_step=round(share, 4), ranks=e.ranks, metrics=metrics, events=(),
+                fix=FIX.get(e.cause, FIX["compute_ms"]),
+                confidence="high" if min(e.step - first, last - e.step + 1) >= 3 * th.fail_slow_min_segment
+                else "medium",
+                method="The job's step time (median over ranks, every step from the probes' record) after the "
+                       "change minus before it, per step since the change (binary segmentation of each rank's "
+                       "step components: diagnose/step/changes.py); its share is of the step since the change.")
+    return [flag_or_pass(f, th.fail_slow, th, describe(e))]

@@ -1,0 +1,108 @@
+"""When did the job get slow: change points over the whole run (diagnose/step/changes.py) and the
+fail_slow finding, on recorded light-mode runs (tests/fixtures/light_failslow) checked against
+their raw step records."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from diagnose.analyzers import fail_slow
+from diagnose.cli import main
+from diagnose.probedata import load_probe_data
+from diagnose.step.changes import change_points, run_changes
+from diagnose.thresholds import DEFAULT
+
+FIX = Path(__file__).parent / "fixtures" / "light_failslow"
+FAULT_STEP = 150  # --slow-from-step of the recordings (README)
+
+
+def raw_steps(name: str, rank: int) -> list[dict]:
+    rows = [json.loads(x) for x in (FIX / name / f"rank{rank}.steps.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["step"] >= 1]  # step 0 is the warm-up: the probes' own rule
+
+
+def events(name: str):
+    return run_changes(load_probe_data([FIX / name]), DEFAULT.fail_slow_min_segment, DEFAULT.fail_slow_effect)
+
+
+def test_a_steady_run_has_no_change():
+    assert events("steady") == ()
+
+
+def test_one_rank_computing_more_is_found_at_its_step():
+    (e,) = events("rank")
+    assert abs(e.step - FAULT_STEP) <= 3 and e.cause == "compute_ms" and e.ranks == (1,) and e.place == "rank 1"
+    # independently, from the raw records: the job's step (median over ranks) before and after
+    job = {s["step"]: statistics.median([s["dur_ms"], t["dur_ms"]])
+           for s, t in zip(raw_steps("rank", 0), raw_steps("rank", 1))}
+    before = statistics.median(v for k, v in job.items() if k < e.step)
+    after = statistics.median(v for k, v in job.items() if k >= e.step)
+    assert (e.step_before_ms, e.step_after_ms) == (pytest.approx(before), pytest.approx(after))
+    # rank 1's compute (step - DataLoader - communication) moved by about the injected 20 ms
+    comp = [s["dur_ms"] - s["dataloader_ms"] - s["comm_ms"] for s in raw_steps("rank", 1)]
+    steps = [s["step"] for s in raw_steps("rank", 1)]
+    delta = (statistics.median(c for c, k in zip(comp, steps) if k >= e.step)
+             - statistics.median(c for c, k in zip(comp, steps) if k < e.step))
+    assert e.cause_delta_ms == pytest.approx(delta, abs=0.5) and 15 < delta < 30
+    # the waiting rank's communication grew with it: a consequence, not named as the cause
+    assert any(c.rank == 0 and c.component == "comm_ms" and c.delta_ms > 10 for c in e.changes)
+
+
+def test_a_slower_input_pipeline_on_every_rank_is_shared_infrastructure():
+    (e,) = events("loader")
+    assert abs(e.step - FAULT_STEP) <= 3 and e.cause == "dataloader_ms" and set(e.ranks) == {0, 1}
+    assert e.place == "every rank" and "shared infrastructure" in fail_slow.describe(e)
+    for r in (0, 1):
+        rows = raw_steps("loader", r)
+        late = statistics.median(s["dataloader_ms"] for s in rows if s["step"] >= e.step)
+        early = statistics.median(s["dataloader_ms"] for s in rows if s["step"] < e.step)
+        assert late - early > 15  # 64 samples x 0.3 ms: 19.2 ms of sleep, more with the host's timer slack
+
+
+def test_the_fail_slow_finding_on_a_run_directory():
+    from diagnose.analyzers.fail_slow import analyze
+    from tests.conftest import fixture_run
+    from diagnose.context import build_context
+
+    run = fixture_run(Path(__file__).parent / "fixtures" / "cpu_checkpoint_2rank")  # any real 2-rank trace set
+    for name, flagged in (("rank", True), ("loader", True), ("steady", False)):
+        (c,) = analyze(build_context(run, load_probe_data([FIX / name])), DEFAULT)
+        assert (c.status == "flagged") == flagged, (name, c.reason)
+        if flagged:
+            f = c.finding
+            (e,) = events(name)
+            assert f.recoverable_ms == pytest.approx(e.lost_ms, abs=1e-3) and f.ranks == e.ranks
+            assert f.share_of_step == pytest.approx(e.lost_ms / e.step_after_ms, abs=1e-4)
+            assert f.metrics["change_step"] == e.step and f.metrics["cause_component"] == e.cause
+    (c,) = analyze(build_context(run, {}), DEFAULT)
+    assert c.status == "not_measurable" and "diagnose run" in c.reason
+
+
+def test_the_changes_command_reads_a_run_directory():
+    res = CliRunner().invoke(main, ["changes", str(FIX / "rank")])
+    assert res.exit_code == 0, res.output
+    assert "rank 1, compute +" in res.output and "from step 1" in res.output
+    res = CliRunner().invoke(main, ["changes", str(FIX / "steady")])
+    assert "none: the job ran at one speed" in res.output
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_change_points_on_hand_made_levels(seed):
+    """A level shift of 30% after noise is found where it is; a bump of 15 steps, isolated spikes
+    (a checkpoint, a GC pause) and shifts under the minimum are not."""
+    rng = np.random.default_rng(seed)
+    x = np.r_[100 + rng.normal(0, 5, 200), 130 + rng.normal(0, 5, 150)]
+    (cut,) = change_points(x, 20, 20.0)
+    assert abs(cut - 200) <= 3
+    y = 100 + rng.normal(0, 5, 400)
+    y[100:115] += 40
+    y[::60] += 500
+    assert change_points(y, 20, 20.0) == []
+    assert change_points(np.r_[100 + rng.normal(0, 2, 200), 115 + rng.normal(0, 2, 200)], 20, 20.0) == []
+    two = np.r_[100 + rng.normal(0, 3, 150), 160 + rng.normal(0, 3, 150), 100 + rng.normal(0, 3, 150)]
+    assert [abs(c - e) <= 3 for c, e in zip(change_points(two, 20, 20.0), (150, 300))] == [True, True]
