@@ -54,6 +54,22 @@ def main() -> None:
     """Why is my distributed PyTorch job slow? Ranked causes from torch.profiler traces."""
 
 
+LINK_HELP = ("The link's peak bus bandwidth in GB/s, within a host and between hosts (what nccl-tests' "
+             "all_reduce_perf reaches on these machines): each process group's bandwidth is judged against it.")
+
+
+def parse_link(text: str | None):
+    """--link-gbps as a LinkSpec (None when not given); a bad one is one line and exit 2."""
+    if text is None:
+        return None
+    from diagnose.step.link import LinkSpec  # light: no pandas behind it
+
+    try:
+        return LinkSpec.parse(text)
+    except ValueError as exc:
+        fail(f"--link-gbps: {exc}")
+
+
 def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
                       hta: HtaOptions | None = None, link=None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
@@ -77,21 +93,13 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
 @click.option("--hta-budget-mb", default=256.0, show_default=True,
               help="Largest expanded trace size (all ranks) HTA may load.")
 @click.option("--hta-timeout", default=180.0, show_default=True, help="Seconds HTA may run before it is stopped.")
-@click.option("--link-gbps", default=None, metavar="INTRA[,INTER]",
-              help="The link's peak bus bandwidth in GB/s, within a host and between hosts (what nccl-tests' "
-                   "all_reduce_perf reaches on these machines): each process group's bandwidth is judged against it.")
+@click.option("--link-gbps", default=None, metavar="INTRA[,INTER]", help=LINK_HELP)
 def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None, hta: bool,
             hta_budget_mb: float, hta_timeout: float, link_gbps: str | None) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
     from diagnose.output import HtaOptions
-    from diagnose.step.link import LinkSpec  # light: no pandas behind it
 
-    link = None
-    if link_gbps is not None:
-        try:
-            link = LinkSpec.parse(link_gbps)
-        except ValueError as exc:
-            fail(f"--link-gbps: {exc}")
+    link = parse_link(link_gbps)
     opts = HtaOptions(hta_budget_mb, hta_timeout) if hta else None
     sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs, opts, link))
 
@@ -106,8 +114,9 @@ def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: in
               help="Turn on torch.distributed's Flight Recorder so that `diagnose hang` can name a stuck rank "
                    "(TORCH_FR_BUFFER_SIZE=2000; off by default: torch 2.13 with it aborted a gloo job at exit "
                    "in 1 of 8 runs here).")
+@click.option("--link-gbps", default=None, metavar="INTRA[,INTER]", help=LINK_HELP)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(out: Path, schedule: str, flight_recorder: bool, command: tuple[str, ...]) -> None:
+def run(out: Path, schedule: str, flight_recorder: bool, link_gbps: str | None, command: tuple[str, ...]) -> None:
     """Run an unmodified training command with the probes, then diagnose it.
 
     \b
@@ -120,7 +129,8 @@ def run(out: Path, schedule: str, flight_recorder: bool, command: tuple[str, ...
     from diagnose.launch import run_with_probes
 
     check_schedule(schedule)
-    sys.exit(run_with_probes(list(command), out, schedule, flight_recorder=flight_recorder).code)
+    link = parse_link(link_gbps)
+    sys.exit(run_with_probes(list(command), out, schedule, flight_recorder=flight_recorder, link=link).code)
 
 
 @main.command()

@@ -207,7 +207,7 @@ def run_job(command: list[str], env: dict | None, quiet: bool = False, pass_fds:
 
 
 def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: bool = False,
-                    echo: bool = True, flight_recorder: bool = False) -> RunOutcome:
+                    echo: bool = True, flight_recorder: bool = False, link=None) -> RunOutcome:
     """Run `command` under the probes in a fresh run directory under `out`, then analyse what it wrote.
 
     quiet_job: keep the job's own output out of the terminal (the demo) unless it fails.
@@ -242,7 +242,7 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
         from diagnose.output import analyze_outputs
 
         try:
-            analyze_outputs([str(traces)], run_dir, echo=echo)
+            analyze_outputs([str(traces)], run_dir, echo=echo, link=link)
         except DiagnoseError as exc:
             click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
             return RunOutcome(code, run_dir, "analysis_failed")

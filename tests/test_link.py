@@ -146,3 +146,13 @@ def test_the_cli_refuses_a_bad_link_in_one_line(tmp_path):
     res = CliRunner().invoke(main, ["analyze", str(ACCUM), "--out", str(tmp_path), "--link-gbps", "fast"])
     assert res.exit_code == 2, res.output
     assert res.output.count("\n") == 1 and "--link-gbps" in res.output, res.output
+
+
+def test_run_takes_the_link_and_refuses_a_bad_one_before_starting_anything(tmp_path):
+    from click.testing import CliRunner
+
+    marker = tmp_path / "started"
+    res = CliRunner().invoke(main, ["run", "--out", str(tmp_path / "runs"), "--link-gbps", "-3", "--",
+                                    "python", "-c", f"open({str(marker)!r}, 'w')"])
+    assert res.exit_code == 2 and "--link-gbps" in res.output, res.output
+    assert not marker.exists() and not (tmp_path / "runs").exists()
