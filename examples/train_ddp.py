@@ -30,6 +30,10 @@ A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --
   --slow-compute-ms MS      MS of extra compute per step (real CPU work, as a throttled device adds)
   --slow-loader-ms MS       each Dataset.__getitem__ sleeps MS more (a storage mount turning slow)
 
+  --device-ms MS            every rank waits MS per step in its forward, as a host waits for its
+                            device: on a GPU the device, not the host's busy CPU, sets the step (on a
+                            shared 2-core machine a CPU-only step drifts by more than 20% for minutes)
+
 Launching: torchrun (above), or `python examples/train_ddp.py --spawn 2`: torch.multiprocessing.spawn
 starts the ranks itself and no RANK is set in their environment (as with mp.spawn, srun or mpirun
 scripts that pass the rank to init_process_group).
@@ -121,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-rank", type=int, default=-1, help="the rank the mid-run fault hits (-1: every rank)")
     p.add_argument("--slow-compute-ms", type=float, default=0.0, help="extra compute per step from then")
     p.add_argument("--slow-loader-ms", type=float, default=0.0, help="extra sleep per __getitem__ from then")
+    p.add_argument("--device-ms", type=float, default=0.0, help="every rank waits this long per step (device time)")
     p.add_argument("--spawn", type=int, default=0,
                    help="start this many ranks with torch.multiprocessing.spawn (no RANK in their environment)")
     args = p.parse_args(argv)
@@ -253,6 +258,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
                     and isinstance(model, nn.parallel.DistributedDataParallel))
             with model.no_sync() if skip else contextlib.nullcontext():
                 loss = loss_fn(model(x), y) / args.grad_accum
+                if args.device_ms:
+                    time.sleep(args.device_ms / 1000.0)
                 if rank == args.straggler_rank:
                     time.sleep(args.straggler_ms / 1000.0)  # a slow host, a noisy neighbour
                 loss.backward()
