@@ -113,6 +113,19 @@ EQUIVALENT = {
         "by_effect = None", "None or \"\": the one reader tests its truth only"),
     "diagnose.analyzers.host_sync.x_reduce__mutmut_71": (
         "dtype=float", "the values are floats already (a float series reindexed with a float fill)"),
+    "diagnose.analyzers.common.x_host_self_times__mutmut_33": (
+        "ascending=[True, True, False]", "threads in the other order: each thread's rows stay together and in "
+        "time order, which is all the stack walk needs, and every reader groups or sums by name"),
+    "diagnose.analyzers.memory.x__dp_size__mutmut_11": (
+        'model.get("wrapper", "")', "a missing wrapper reads \"None\" instead of \"\": neither is DistributedDataParallel"),
+    "diagnose.analyzers.straggler.x_analyze__mutmut_176": (
+        'metrics.get("every_step_collectives", 0)', "the key is set whenever every_agree is, which the test "
+        "before it requires: the default is never read"),
+    "diagnose.analyzers.straggler.x_reduce__mutmut_47": (
+        "RankOps(ops=())", "None or (): both readers (the op diff, the top-ops table) test its truth first"),
+    "diagnose.analyzers.launch.x__op_overhead__mutmut_42": (
+        'groupby("name", observed=True)', "observed only decides whether unseen categories get a group; "
+        "transform returns one value per existing row either way"),
 }
 
 

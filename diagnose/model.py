@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.6"
+SCHEMA_VERSION = "1.7"
 
 FindingId = Literal[
     "dataloader_starvation",

@@ -14,6 +14,7 @@ from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
 from diagnose.step.bandwidth import comm_table
+from diagnose.step.changes import over_time
 from diagnose.step.graph import critical_segments
 from diagnose.step.idle import CLASSES, LATENCY
 from diagnose.step.intervals import clip
@@ -92,7 +93,8 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
     extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx), "top_ops": _top_ops_extra(ctx),
-              "comm_groups": _comm_groups_extra(ctx, th, link), "compiled": _compiled_extra(ctx)}
+              "comm_groups": _comm_groups_extra(ctx, th, link), "compiled": _compiled_extra(ctx),
+              "over_time": _over_time_extra(ctx, checks)}
     if ctx.model is not None:
         try:  # each cause's ms from the one model of the step: the replay with it removed
             named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
@@ -245,6 +247,18 @@ def _comm_groups_extra(ctx: Context, th: Thresholds, link: LinkSpec | None) -> d
         out.append(row)
     given = {"intra_gbps": link.intra_gbps, "inter_gbps": link.inter_gbps} if link is not None else None
     return {"groups": out, "link_given": given}
+
+
+def _over_time_extra(ctx: Context, checks: list[Check]) -> dict:
+    """Every step of the run from the probes' record, bucketed, for the report's whole-run chart,
+    with the fail-slow check's change marked ({} without an every-step record)."""
+    o = over_time({r: p for r, p in ctx.probes.items() if not p.steps.empty}, max_ranks=MAX_TIMELINE_RANKS)
+    if o is None:
+        return {}
+    fs = next((c for c in checks if c.id == "fail_slow" and c.finding is not None), None)
+    changes = [{"step": int(fs.finding.metrics["change_step"]), "text": fs.reason}] if fs else []
+    return {"bucket_steps": o.bucket, "steps": list(o.steps), "job_ms": list(o.job_ms),
+            "ranks": [{"rank": r, "step_ms": list(v)} for r, v in o.ranks.items()], "changes": changes}
 
 
 def _compiled_extra(ctx: Context) -> dict:

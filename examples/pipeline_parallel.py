@@ -16,6 +16,9 @@ Flags:
   --stage-layers L0,L1,...  layers per stage (unequal values make unbalanced stages); default --layers each
   --trace-dir DIR           record torch.profiler traces there (ProfilerStep#N marks each step)
   --library                 run the same stages with torch.distributed.pipelining's ScheduleGPipe instead
+  --virtual-stages V        with --library: V stages per rank (stage s on rank s mod world, --stage-layers
+                            one entry per stage), scheduled by ScheduleInterleaved1F1B, whose profiler
+                            ranges read "PP:{stage}{F|B}{micro-batch}"
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=7, help="default: the profiled window (wait + warmup + active)")
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--library", action="store_true", help="torch.distributed.pipelining.ScheduleGPipe")
+    p.add_argument("--virtual-stages", type=int, default=1, help="with --library: ScheduleInterleaved1F1B")
     p.add_argument("--profile-wait", type=int, default=1)
     p.add_argument("--profile-warmup", type=int, default=1)
     p.add_argument("--profile-active", type=int, default=5)
@@ -100,15 +104,20 @@ class Stage:
 
 
 class LibraryStage:
-    """The same stage driven by torch.distributed.pipelining (PipelineStage + ScheduleGPipe)."""
+    """The same stages driven by torch.distributed.pipelining: PipelineStage + ScheduleGPipe, or
+    with V stages per rank (modules[k] is stage rank + k * world) ScheduleInterleaved1F1B."""
 
-    def __init__(self, rank: int, world: int, module: nn.Module, args: argparse.Namespace, device) -> None:
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    def __init__(self, rank: int, world: int, modules: list[nn.Module], args: argparse.Namespace, device) -> None:
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.rank, self.world = rank, world
-        stage = PipelineStage(module, rank, world, device)
-        self.schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches,
-                                      loss_fn=lambda out, target: nn.functional.mse_loss(out, target))
+        n = world * len(modules)
+        loss = lambda out, target: nn.functional.mse_loss(out, target)  # noqa: E731
+        stages = [PipelineStage(mod, rank + k * world, n, device) for k, mod in enumerate(modules)]
+        if len(stages) == 1:
+            self.schedule = ScheduleGPipe(stages[0], n_microbatches=args.microbatches, loss_fn=loss)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=args.microbatches, loss_fn=loss)
         g = torch.Generator().manual_seed(rank)
         n = args.microbatches * args.micro_batch_size
         self.x = torch.randn(n, args.width, generator=g).to(device)
@@ -133,12 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     torch.manual_seed(rank)
     torch.set_num_threads(1)  # ranks share a small host: keep them from fighting over cores
-    per_stage = [int(x) for x in args.stage_layers.split(",")] if args.stage_layers else [args.layers] * world
-    if len(per_stage) != world:
-        raise SystemExit(f"--stage-layers has {len(per_stage)} entries for {world} stages")
-    module = build_stage(args.width, per_stage[rank]).to(device)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-4)
-    stage = (LibraryStage if args.library else Stage)(rank, world, module, args, device)
+    v = args.virtual_stages if args.library else 1
+    per_stage = [int(x) for x in args.stage_layers.split(",")] if args.stage_layers else [args.layers] * world * v
+    if len(per_stage) != world * v:
+        raise SystemExit(f"--stage-layers has {len(per_stage)} entries for {world * v} stages")
+    modules = [build_stage(args.width, per_stage[rank + k * world]).to(device) for k in range(v)]
+    opt = torch.optim.SGD([q for mod in modules for q in mod.parameters()], lr=1e-4)
+    stage = LibraryStage(rank, world, modules, args, device) if args.library else Stage(rank, world, modules[0], args,
+                                                                                         device)
 
     prof = None
     if args.trace_dir:

@@ -377,3 +377,37 @@ def diff_breakdown_bars(before: dict, after: dict) -> go.Figure | None:
                     hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
     return _layout(fig, "Mean step time before and after, by component (ms, mean over ranks)", barmode="stack",
                    yaxis={"title": {"text": "ms per step"}})
+
+
+def over_time_lines(over: dict) -> go.Figure | None:
+    """The whole run's step time per rank (and the job's, the median over ranks), from the probes'
+    every-step record, with the fail-slow change drawn as a vertical line."""
+    if not isinstance(over, dict):
+        return None
+    steps = [num(s) for s in over.get("steps") or []]
+    if len(steps) < 2 or any(s is None for s in steps):
+        return None
+    fig = go.Figure()
+    for row in over.get("ranks") or []:
+        if not isinstance(row, dict) or _rank(row.get("rank")) is None:
+            continue
+        y = [num(v) for v in row.get("step_ms") or []]
+        if len(y) == len(steps):
+            fig.add_scatter(x=steps, y=y, mode="lines", name=f"rank {_rank(row['rank'])}",
+                            line={"width": 1}, opacity=0.7,
+                            hovertemplate=f"rank {_rank(row['rank'])}, step %{{x}}: %{{y:.1f}} ms<extra></extra>")
+    job = [num(v) for v in over.get("job_ms") or []]
+    if len(job) == len(steps):
+        fig.add_scatter(x=steps, y=job, mode="lines", name="job (median over ranks)",
+                        line={"width": 2.5, "color": "#222", "dash": "dot"},
+                        hovertemplate="job, step %{x}: %{y:.1f} ms<extra></extra>")
+    if not fig.data:
+        return None
+    for c in over.get("changes") or []:
+        step = num(c.get("step")) if isinstance(c, dict) else None
+        if step is not None:
+            fig.add_vline(x=step, line={"color": FLAGGED_COLOUR, "width": 2, "dash": "dash"},
+                          annotation_text=plot_text(f"slower from step {step:.0f}"), annotation_position="top left")
+    bucket = num(over.get("bucket_steps")) or 1
+    title = "Step time over the whole run" + (f" (median of each {bucket:.0f} steps)" if bucket > 1 else "")
+    return _layout(fig, title, height=320, xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "ms"}})

@@ -151,6 +151,21 @@ def _timeline_section(extras: dict, cs: ChartSet) -> str:
             'data during one step. A rank whose rows start late is the one the others wait for.</p>')
 
 
+def _over_time_section(extras: dict, cs: ChartSet) -> str:
+    """The whole run from the probes' every-step record: when the job got slower, if it did."""
+    over = _dict(extras.get("over_time"))
+    fig = charts.over_time_lines(over)
+    if fig is None:
+        return ""
+    said = "".join(f"<li>{esc(c['text'])}</li>" for c in _list(over.get("changes"))
+                   if isinstance(c, dict) and c.get("text"))
+    return ('<h3 id="over-time">Every step of the run</h3>' + cs.add(fig, "Step time over the whole run")
+            + (f"<ul>{said}</ul>" if said else "")
+            + '<p class="muted">From the probes\' record of every step, profiled or not (the timeline above shows '
+            'one profiled step). A change of level that lasts is the fail_slow check\'s; <code>diagnose changes '
+            'RUN_DIR</code> lists every one.</p>')
+
+
 def _top_ops_section(extras: dict) -> str:
     """Per rank, the heaviest ops or kernels (collapsible: one <details> per rank)."""
     ranks = [x for x in _list(_dict(extras.get("top_ops")).get("ranks")) if isinstance(x, dict)]
@@ -309,6 +324,7 @@ def render(diagnosis: dict) -> str:
     # the real timeline, when the JSON has it, replaces the composition-only lanes
     breakdown_html = (_breakdown_section(_list(d.get("breakdown")), cs, composition=not timeline.get("ranks"))
                       + _timeline_section(_dict(d.get("extras")), cs)
+                      + _over_time_section(_dict(d.get("extras")), cs)
                       + _replay_section(_dict(d.get("extras")), findings, cs)
                       + _top_ops_section(_dict(d.get("extras")))
                       + _comm_groups_section(_dict(d.get("extras"))))

@@ -106,3 +106,29 @@ def test_change_points_on_hand_made_levels(seed):
     assert change_points(np.r_[100 + rng.normal(0, 2, 200), 115 + rng.normal(0, 2, 200)], 20, 20.0) == []
     two = np.r_[100 + rng.normal(0, 3, 150), 160 + rng.normal(0, 3, 150), 100 + rng.normal(0, 3, 150)]
     assert [abs(c - e) <= 3 for c, e in zip(change_points(two, 20, 20.0), (150, 300))] == [True, True]
+
+
+def test_the_whole_run_chart_is_the_raw_steps_bucketed():
+    """What the report draws over the whole run (extras.over_time), against the raw records: per
+    bucket of steps, each rank's median step and the job's (median over ranks at each step, then
+    over the bucket)."""
+    from diagnose.step.changes import over_time
+
+    probes = load_probe_data([FIX / "rank"])
+    raw = {r: {x["step"]: x["dur_ms"] for x in raw_steps("rank", r)} for r in (0, 1)}
+    steps = sorted(set(raw[0]) & set(raw[1]))
+    for points in (1000, 50):
+        o = over_time(probes, max_points=points)
+        n = steps[-1] - steps[0] + 1
+        bucket = -(-n // points)
+        assert o.bucket == bucket and o.steps[0] == steps[0] and len(o.steps) == -(-n // bucket)
+        for i, first in enumerate(o.steps):
+            inside = [s for s in steps if first <= s < first + bucket]
+            for r in (0, 1):
+                assert o.ranks[r][i] == pytest.approx(statistics.median(raw[r][s] for s in inside), abs=1e-3)
+            job = statistics.median(statistics.median([raw[0][s], raw[1][s]]) for s in inside)
+            assert o.job_ms[i] == pytest.approx(job, abs=1e-3)
+    # at most max_ranks lines: the slowest ranks by median step are the ones kept
+    slowest = max((0, 1), key=lambda r: statistics.median(raw[r].values()))
+    assert list(over_time(probes, max_ranks=1).ranks) == [slowest]
+    assert over_time({}) is None

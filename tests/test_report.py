@@ -62,6 +62,10 @@ def hostile_diagnosis() -> dict:
     d["checks"][0]["reason"] = h["svg"]
     if d["extras"].get("lateness"):
         d["extras"]["lateness"]["collectives"][0] = h["close"]
+    # the fail-slow line names hosts from the probes' sidecars
+    d["extras"]["over_time"] = {"bucket_steps": 1, "steps": [1, 2, 3], "job_ms": [10.0, 10.0, 20.0],
+                                "ranks": [{"rank": 0, "step_ms": [10.0, 10.0, 20.0]}],
+                                "changes": [{"step": 3, "text": h["script"]}]}
     return d
 
 
@@ -192,6 +196,9 @@ def test_hostile_strings_are_inert():
      "breakdown": [{"rank": 0, "step": 1, "step_ms": None, "compute_ms": "7"}],
      "extras": {"lateness": {"ranks": [0], "collectives": ["a", "b"], "lateness_ms": [[1.0]]}, "future": {"x": 1}},
      "checks": [{"id": "new_check", "status": "weird"}], "warnings": [1, None]},
+    {"extras": {"over_time": {"steps": [1, "x"], "ranks": [None, {"rank": "r"}], "changes": [None, {"step": "a"}]}}},
+    {"extras": {"over_time": {"steps": [1, 2], "job_ms": [1.0], "ranks": [{"rank": 0, "step_ms": [1.0, None]}],
+                              "changes": "x", "bucket_steps": "y"}}},
 ])
 def test_never_crashes_on_odd_input(bad):
     text = render(bad)
@@ -331,3 +338,26 @@ def test_top_ops_table_per_rank_matches_the_raw_kernels():
     page = render(d)
     assert 'id="top-ops"' in page and page.count('<details class="top-ops">') == 1
     assert html.escape(first["name"], quote=True) in page
+
+
+def test_every_step_of_the_run_is_drawn_from_the_probes_record():
+    """tests/fixtures/cpu_checkpoint_2rank ran under `diagnose run`: its every-step record (the
+    rank*.steps.jsonl files, read here raw) is the whole-run chart's data, one point per step."""
+    import json
+
+    from diagnose.output import diagnosis_dict
+    from tests.conftest import fixture_diagnosis
+
+    path = Path(__file__).parent / "fixtures" / "cpu_checkpoint_2rank"
+    d = diagnosis_dict(fixture_diagnosis(path))
+    over = d["extras"]["over_time"]
+    raw = {r: {x["step"]: x["dur_ms"] for x in map(json.loads, (path / f"rank{r}.steps.jsonl").read_text().split())
+               if x["step"] >= 1} for r in (0, 1)}
+    assert over["bucket_steps"] == 1 and over["steps"] == sorted(raw[0])
+    for row in over["ranks"]:
+        assert row["step_ms"] == pytest.approx([raw[row["rank"]][s] for s in over["steps"]], abs=1e-3)
+    assert over["changes"] == []  # 11 steps: too few for a change of level
+    page = render(d)
+    assert 'id="over-time"' in page and "Step time over the whole run" in page
+    # a diagnosis without the record (bare traces): no section
+    assert 'id="over-time"' not in render(diagnosis_json("param_dlrm_8rank_v100"))

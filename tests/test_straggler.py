@@ -192,3 +192,114 @@ def test_an_op_holding_the_step_boundary_books_no_time_outside_its_step():
         name = opt[0]["name"]
         booked = next((o["ms_per_step"] for o in row["top"] if o["name"] == name), 0.0)
         assert booked <= bound_ms + 0.01, (rank, booked, bound_ms)
+
+
+# ---- corners: confidence, the effect threshold, traces without ops -------------------------------
+
+def _every_step_probes(last_per_step: list[int], late_s: float = 0.004) -> dict:
+    """The probes' every-step record of two ranks (their collective timings, the format
+    diagnose/probedata.py reads from the sidecars): at step s the listed rank arrives late_s late."""
+    import pandas as pd
+
+    from diagnose.probedata import ProbeData
+
+    out = {}
+    for r in (0, 1):
+        rows = [{"step": s, "seq": 0, "name": "all_reduce", "arrival": 1_000.0 + s * 0.01 + (late_s if q == r else 0.0),
+                 "dur_ms": 0.5, "bytes": 4096, "group": "0"} for s, q in enumerate(last_per_step)]
+        out[r] = ProbeData(rank=r, meta={}, steps=pd.DataFrame(), collectives=pd.DataFrame(rows))
+    return out
+
+
+def test_the_every_step_record_agreeing_makes_the_verdict_firm(tmp_path):
+    """Profiled: rank 1 last at 6 of 8 steps, 5 ms each time (beyond chance by its lateness, but a
+    75% share: medium). The every-step record over 40 steps has it last at 38: high confidence. The
+    same record disagreeing (last at 20 of 40) leaves it medium."""
+    from diagnose.analyzers import reduce_rank
+    from diagnose.ingest.assemble import load_run
+    from diagnose.pipeline import diagnose_run
+    from diagnose.thresholds import DEFAULT
+
+    write_pair(tmp_path, [1, 1, 0, 1, 1, 0, 1, 1],
+               late_us=[5_000.0, 5_200.0, 300.0, 4_900.0, 5_050.0, 300.0, 5_100.0, 4_950.0])
+    run = load_run([tmp_path], reduce=reduce_rank, jobs=1)
+    alone = straggler(diagnose_run(run, DEFAULT, {}))
+    assert alone.status == "flagged" and alone.finding.ranks == (1,) and alone.finding.confidence == "medium"
+    agree = straggler(diagnose_run(run, DEFAULT, _every_step_probes([1] * 38 + [0] * 2)))
+    assert agree.finding.confidence == "high", agree.finding.metrics
+    m = agree.finding.metrics
+    assert m["every_step_collectives"] == 40 and m["rank1_every_step_last_share"] == pytest.approx(0.95)
+    split = straggler(diagnose_run(run, DEFAULT, _every_step_probes([1, 0] * 20)))
+    assert split.finding.confidence == "medium" and split.finding.metrics["rank1_every_step_last_share"] == 0.5
+
+
+def test_two_named_ranks_are_tested_against_two_chances_in_the_every_step_record(tmp_path):
+    """Six ranks, ranks 2 and 3 each last at half the steps (by effect both cost the step, and two
+    is under half the ranks): no t-test on a pair, so the every-step p-value is the binomial of
+    'one of the two is last' at chance 2/6, counted here exactly."""
+    import pandas as pd
+
+    from diagnose.analyzers import reduce_rank
+    from diagnose.ingest.assemble import load_run
+    from diagnose.pipeline import diagnose_run
+    from diagnose.probedata import ProbeData
+    from diagnose.thresholds import DEFAULT
+
+    lates = [{2 + s % 2: 4_000.0} for s in range(8)]
+    write_ranks(tmp_path, lates, n=6)
+    run = load_run([tmp_path], reduce=reduce_rank, jobs=1)
+    n, k = 24, 18  # every-step record: one of ranks 2, 3 last at 18 of 24 steps, rank 0 at the rest
+    last = [2 + s % 2 if s < k else 0 for s in range(n)]
+    probes = {r: ProbeData(rank=r, meta={}, steps=pd.DataFrame(), collectives=pd.DataFrame(
+        [{"step": s, "seq": 0, "name": "all_reduce", "arrival": 1_000.0 + s * 0.01 + (0.004 if q == r else 0.0),
+          "dur_ms": 0.5, "bytes": 4096, "group": "0"} for s, q in enumerate(last)])) for r in range(6)}
+    c = straggler(diagnose_run(run, DEFAULT, probes))
+    assert c.finding.ranks == (2, 3), c.reason
+    exact = sum(math.comb(n, j) * (1 / 3) ** j * (2 / 3) ** (n - j) for j in range(k, n + 1))
+    assert c.finding.metrics["every_step_p_value"] == pytest.approx(exact, abs=1e-4)
+
+
+def test_a_partial_trace_matched_by_order_is_low_confidence(tmp_path):
+    """Three of rank 0's 10 all-reduces cut from its trace (a sampled or filtered export): the
+    straggler is still named, at low confidence, since matching collectives by order is unreliable."""
+    write_pair(tmp_path, [1] * 10, late_us=3_000.0)
+    f = tmp_path / "rank0.pt.trace.json"
+    doc = orjson.loads(f.read_bytes())
+    gloo = [i for i, e in enumerate(doc["traceEvents"]) if e["name"] == "gloo:all_reduce"]
+    cut = {j for i in (gloo[2], gloo[5], gloo[7]) for j in (i, i - 1)}  # each with its c10d::allreduce_
+    doc["traceEvents"] = [e for i, e in enumerate(doc["traceEvents"]) if i not in cut]
+    f.write_bytes(orjson.dumps(doc))
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.finding is not None and c.finding.ranks == (1,)
+    assert c.finding.metrics["match_ratio"] < 0.9 and c.finding.confidence == "low"
+
+
+def test_a_rank_whose_effect_is_exactly_the_threshold_is_named(tmp_path):
+    """The threshold is 'at or above': with it set to rank 3's replayed effect share exactly, rank 3
+    (not rank 0, last more often by a hair) is the one named."""
+    import dataclasses
+
+    from diagnose.thresholds import DEFAULT
+
+    lates = [{3: 5_000.0} if s % 12 in (1, 3, 6, 8, 10) else {0: 20.0} for s in range(12)]
+    write_ranks(tmp_path, lates)
+    d = diagnose_paths([tmp_path])
+    effect = straggler(d).finding.metrics["rank3_effect_ms"]
+    at = d.run.mean_step_ms[0]
+    th = dataclasses.replace(DEFAULT, straggler=(straggler(d).finding.recoverable_ms) / at)
+    c = straggler(diagnose_paths([tmp_path], th))
+    assert c.status == "flagged" and c.finding.ranks == (3,), (effect, c.reason)
+
+
+def test_a_straggler_in_a_trace_without_ops_is_named_without_an_op_diff(tmp_path):
+    """Traces that hold only the steps and the collectives (a filtered export): the late rank is
+    still named; there is nothing to diff, so no 'extra ops' line, and no failure."""
+    write_pair(tmp_path, [1] * 6, late_us=2_000.0)
+    for r in (0, 1):
+        f = tmp_path / f"rank{r}.pt.trace.json"
+        doc = orjson.loads(f.read_bytes())
+        doc["traceEvents"] = [e for e in doc["traceEvents"] if e["cat"] != "cpu_op"]
+        f.write_bytes(orjson.dumps(doc))
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.status == "flagged" and c.finding.ranks == (1,)
+    assert "late_rank_extra_ops" not in c.finding.metrics

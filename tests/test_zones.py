@@ -94,6 +94,41 @@ def test_microbatch_labels_of_torch_pipelining():
 
 # ---- checkpoint: atomic-write detection -------------------------------------------------
 
+
+def test_an_interleaved_schedule_is_read_from_its_labels():
+    """tests/fixtures/cpu_interleaved_2rank (ScheduleInterleaved1F1B, 4 stages on 2 ranks): the stage
+    count, the stages per rank and the micro-batches counted here from the raw PP: labels; the bound
+    is the interleaved one, and the advice is more interleaving, not to start."""
+    import re
+
+    from tests.conftest import fixture_diagnosis
+
+    path = Path(__file__).parent / "fixtures" / "cpu_interleaved_2rank"
+    stages, forwards = {}, set()
+    for f in sorted(path.glob("rank*.pt.trace.json.gz")):
+        rank = int(f.name[4])
+        for e in json.loads(gzip.decompress(f.read_bytes()))["traceEvents"]:
+            hit = re.fullmatch(r"PP:(\d+)([FB])(\d+)", str(e.get("name", "")))
+            if hit:
+                stages.setdefault(rank, set()).add(int(hit[1]))
+                if hit[2] == "F":
+                    forwards.add(int(hit[3]))
+    assert stages == {0: {0, 2}, 1: {1, 3}}  # stage s on rank s mod 2
+    v, p, m = 2, 2, len(forwards)
+    assert m == 4
+    d = fixture_diagnosis(path)
+    f = d.findings[0]
+    assert f.id == "pipeline_bubble" and f.ranks == (0, 1) and f.confidence == "high"
+    mt = f.metrics
+    assert (mt["stages"], mt["virtual_stages_per_rank"], mt["microbatches"]) == (p, v, m)
+    assert mt["stages_source"] == "stage indices in the PP: labels" and mt["microbatches_source"] == "micro-batch labels"
+    assert mt["bound_fraction"] == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-4)
+    assert "vs the bound 11% for p=2, m=4" in next(c for c in d.checks if c.id == "pipeline_bubble").reason
+    assert "already interleaved (v=2 stages per rank); v=4 would bring the bound to 6%" in f.fix
+    assert "An interleaved schedule (torch.distributed.pipelining" not in f.fix
+    # stage rank 1 holds 4 of the 6 layers: the slower stage
+    assert mt["slowest_stage_rank"] == 1 and mt["rank1_busy_ms"] > mt["rank0_busy_ms"]
+
 @pytest.mark.parametrize("name, temp", [("ckpt_step3.pt", False), ("model.safetensors", False),
                                         ("ckpt_step3.pt.tmp", True), (".ckpt.pt.x1y2", True),
                                         ("tmpab12cd", True), ("ckpt.partial", True)])
@@ -201,11 +236,27 @@ def test_small_micro_batch_blamed_on_tight_memory():
     assert f.recoverable_ms == 0 and f.metrics["headroom"] == pytest.approx(0.04)
     assert f.metrics["activations_bytes"] == int(0.93 * total) - 16 * p
     assert f.fix.startswith("The micro-batch is small because memory is tight")
+    assert f.metrics["micro_batch_limited_by_memory"] == "yes" and f.severity == "medium"
+    assert (f.share_of_step, f.kind) == (0.0, "capacity")
+    assert f.metrics["other_source"] == "reserved minus allocated (allocator cache, fragmentation)"
+    assert "weights, gradients and optimizer state from parameter count x bytes;" in f.method
     # the same memory with room to spare is a pass, with the breakdown kept
     roomy = {**meta, "device_memory": {**meta["device_memory"], "total_bytes": 4 * total}}
     ctx = build_context(run, {0: ProbeData(rank=0, meta=roomy, steps=pd.DataFrame(), collectives=pd.DataFrame())})
     (c,) = memory.analyze(ctx, DEFAULT)
     assert c.status == "passed" and c.finding.metrics["headroom"] == pytest.approx(0.76)
+    assert "micro_batch_limited_by_memory" not in c.finding.metrics
+    # an out-of-memory recorded by the probe: flagged high, with its step, whatever the headroom
+    oom = {**roomy, "oom": {"message": "CUDA out of memory. Tried to allocate 2.00 GiB", "step": 17}}
+    ctx = build_context(run, {0: ProbeData(rank=0, meta=oom, steps=pd.DataFrame(), collectives=pd.DataFrame())})
+    (c,) = memory.analyze(ctx, DEFAULT)
+    assert (c.status, c.finding.severity) == ("flagged", "high") and c.reason.startswith("out of memory at step 17; ")
+    # measured tensors: said so in the method and the reason
+    measured = {**meta, "memory_tensors": [{"optimizer": "AdamW", "params": p, "param_bytes": 4 * p,
+                                            "grad_bytes": 4 * p, "state_bytes": 8 * p}]}
+    ctx = build_context(run, {0: ProbeData(rank=0, meta=measured, steps=pd.DataFrame(), collectives=pd.DataFrame())})
+    (c,) = memory.analyze(ctx, DEFAULT)
+    assert "state measured from the tensors;" in c.finding.method and "(measured from the tensors)" in c.reason
 
 
 def test_a_child_that_outlives_its_parent_is_taken_from_the_ancestors():
@@ -252,6 +303,10 @@ def test_older_probe_sidecars_and_an_out_of_memory_are_read():
     # the model's own count when no optimizer was described
     m = memory._rank_memory(0, {"model": {"params": 500, "param_bytes": 1000}, "device": "cpu"})
     assert m.params == 500 and m.elem_bytes == 2 and m.device == "cpu" and m.total is None
+    # parameters counted but not their bytes: fp32 assumed, never a guess from nothing
+    assert memory._rank_memory(0, {"model": {"params": 500}}).elem_bytes == 4
+    # an "oom" that is not the probe's record (a crafted or older sidecar): ignored, not a crash
+    assert memory._rank_memory(0, {**_meta("Adam", 1000, 4, 2), "oom": "out of memory"}).oom is None
     # two optimizers: both named
     two = {"optimizers": [{"optimizer": "SGD", "params": 10, "param_bytes": 40, "state_tensors_per_param": 1},
                           {"optimizer": "Adam", "params": 10, "param_bytes": 40, "state_tensors_per_param": 2}]}

@@ -180,9 +180,14 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                    "or shrink it and let the global batch be m x micro-batch.")
     else:
         fix.append("1. More micro-batches per step: the fill-drain bound is (p - 1) / (m + p - 1).")
-    fix.append("2. An interleaved schedule (torch.distributed.pipelining ScheduleInterleaved1F1B or "
-               "ScheduleInterleavedZeroBubble, v stages per rank) divides the bubble by about v; 1F1B also "
-               "keeps at most p micro-batches of activations alive instead of m.")
+    if v > 1 and m:  # already interleaved: the advice is more of it, not to start
+        fix.append(f"2. The schedule is already interleaved (v={v} stages per rank); v={2 * v} would bring the "
+                   f"bound to {bubble_bound(p_ranks, m, 2 * v):.0%}, at one more point-to-point transfer per "
+                   "micro-batch and stage.")
+    else:
+        fix.append("2. An interleaved schedule (torch.distributed.pipelining ScheduleInterleaved1F1B or "
+                   "ScheduleInterleavedZeroBubble, v stages per rank) divides the bubble by about v; 1F1B also "
+                   "keeps at most p micro-batches of activations alive instead of m.")
     if imbalance >= th.pipeline_imbalance:
         fix.append(f"3. Rebalance layers: stage rank {slowest} computes {busy[slowest]:.1f} ms per step against a "
                    f"mean of {mean_busy:.1f} ms ({imbalance:.0%} more); every micro-batch waits for it.")

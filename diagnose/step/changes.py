@@ -240,3 +240,38 @@ def _place(ranks: tuple[int, ...], series: dict[int, pd.DataFrame], probes: dict
         if len(mine) == 1 and {r for r in every if hosts[r] in mine} == set(ranks):
             return f"host {next(iter(mine))}"
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+MAX_POINTS = 600
+"""Points per line in the report's whole-run chart: steps are taken in buckets beyond this."""
+
+
+@dataclass(frozen=True, slots=True)
+class OverTime:
+    """Every step of the run as the report draws it: per bucket of `bucket` consecutive steps, the
+    median step time of each rank and of the job (median over ranks at each step)."""
+
+    bucket: int
+    steps: tuple[int, ...]
+    """First step of each bucket."""
+    job_ms: tuple[float, ...]
+    ranks: dict[int, tuple[float, ...]]
+    """At most `max_ranks` ranks, the slowest (by median step) first kept."""
+
+
+def over_time(probes: dict[int, ProbeData], max_points: int = MAX_POINTS, max_ranks: int = 16) -> OverTime | None:
+    """The whole run's step times, bucketed (None: no every-step record)."""
+    series = rank_series(probes)
+    if not series:
+        return None
+    step = pd.concat({r: f["step_ms"] for r, f in series.items()}, axis=1).sort_index()
+    first, last = int(step.index.min()), int(step.index.max())
+    bucket = max(1, -(-(last - first + 1) // max_points))
+    key = (step.index.to_numpy() - first) // bucket
+    per = step.groupby(key).median()
+    job = step.median(axis=1).groupby(key).median()
+    keep = sorted(series, key=lambda r: -float(series[r]["step_ms"].median()))[:max_ranks]
+    return OverTime(bucket=bucket, steps=tuple(int(first + k * bucket) for k in per.index),
+                    job_ms=tuple(round(float(v), 3) for v in job.to_numpy()),
+                    ranks={r: tuple(None if np.isnan(v) else round(float(v), 3) for v in per[r].to_numpy())
+                           for r in sorted(keep)})
