@@ -70,20 +70,47 @@ def parse_link(text: str | None):
         fail(f"--link-gbps: {exc}")
 
 
+CLUSTER_HELP = ("Read the traces on the workers of a Dask cluster, where they lie: a scheduler's address "
+                "(tcp://HOST:8786) or local:N for a LocalCluster of N worker processes here. Paths are listed on "
+                "the workers ($VAR and ~ expanded there); only each rank's summary travels back. "
+                "Needs pip install 'torch-diagnose[dask]' on the client and every worker.")
+LOCAL_PATH_HELP = ("With --cluster: a directory on each worker's own disk holding some of the ranks' traces "
+                   "(e.g. '$SLURM_TMPDIR/traces'); each worker reads what it sees there, each file once. Repeatable.")
+
+
+def cluster_paths(paths: tuple[str, ...], cluster: str | None, local_path: tuple[str, ...], hta: bool = False) -> list[str]:
+    """The paths to read, with --cluster's rules checked (one line and exit 2 otherwise)."""
+    if local_path and cluster is None:
+        fail("--local-path names a directory on the workers of --cluster; give --cluster ADDRESS too")
+    if cluster is not None:
+        from diagnose.ingest.cluster import parse_address  # dask itself is imported only to connect
+
+        try:
+            parse_address(cluster)
+        except ValueError as exc:
+            fail(f"--cluster {exc}")
+        if hta:
+            fail("--hta reads the traces on this machine; with --cluster they are read on the workers: drop one")
+    out = list(paths) + list(local_path)
+    if not out:
+        fail("no traces given: pass TRACE_DIR (or, with --cluster, --local-path DIR)")
+    return out
+
+
 def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
-                      hta: HtaOptions | None = None, link=None) -> int:
+                      hta: HtaOptions | None = None, link=None, cluster: str | None = None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
     try:
         from diagnose.output import analyze_outputs  # lazily: the CLI starts light
 
-        analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta, link=link)
+        analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta, link=link, cluster=cluster)
     except DiagnoseError as exc:
         fail(str(exc))
     return 0
 
 
 @main.command()
-@click.argument("trace_dir", nargs=-1, required=True)
+@click.argument("trace_dir", nargs=-1)
 @click.option("--out", "out", default="diagnosis", show_default=True, type=click.Path(path_type=Path),
               help="Directory for diagnosis.json and report.html.")
 @click.option("--max-trace-gb", default=8.0, show_default=True, help="Refuse traces that expand beyond this.")
@@ -94,14 +121,18 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
               help="Largest expanded trace size (all ranks) HTA may load.")
 @click.option("--hta-timeout", default=180.0, show_default=True, help="Seconds HTA may run before it is stopped.")
 @click.option("--link-gbps", default=None, metavar="INTRA[,INTER]", help=LINK_HELP)
+@click.option("--cluster", default=None, metavar="ADDRESS", help=CLUSTER_HELP)
+@click.option("--local-path", "local_path", multiple=True, metavar="DIR", help=LOCAL_PATH_HELP)
 def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None, hta: bool,
-            hta_budget_mb: float, hta_timeout: float, link_gbps: str | None) -> None:
+            hta_budget_mb: float, hta_timeout: float, link_gbps: str | None, cluster: str | None,
+            local_path: tuple[str, ...]) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
     from diagnose.output import HtaOptions
 
     link = parse_link(link_gbps)
+    paths = cluster_paths(trace_dir, cluster, local_path, hta)
     opts = HtaOptions(hta_budget_mb, hta_timeout) if hta else None
-    sys.exit(analyze_and_write(list(trace_dir), out, max_trace_gb, jobs, opts, link))
+    sys.exit(analyze_and_write(paths, out, max_trace_gb, jobs, opts, link, cluster))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -311,8 +342,10 @@ def changes(run_dir: Path) -> None:
 @click.option("--global-batch", type=int, default=None, help="With --strong and --nproc: the global batch size.")
 @click.option("--batch-size", type=int, default=None, help="Per-rank batch size, if the runs' sidecars lack it.")
 @click.option("--schedule", default="2,2,5", show_default=True, help="Profiler schedule for each launched run.")
+@click.option("--cluster", default=None, metavar="ADDRESS",
+              help="With --runs: read the runs' traces on the workers of a Dask cluster (see analyze --help).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedule, command) -> None:
+def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedule, cluster, command) -> None:
     """Measure speedup across world sizes and explain the lost speedup, cause by cause.
 
     \b
@@ -323,6 +356,10 @@ def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedu
     from diagnose.scaling import terminal_summary as scaling_summary
 
     mode = "strong" if strong else "weak"
+    if cluster is not None:
+        if not runs:
+            fail("--cluster reads saved runs: give --runs N=DIR ... (launched runs are read here)")
+        cluster_paths(("runs",), cluster, ())
     try:
         if runs:
             dirs = {}
@@ -339,7 +376,14 @@ def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedu
             if strong and not global_batch:
                 raise DiagnoseError("--strong with --nproc needs --global-batch (and --batch-flag)")
             dirs = _launch_sizes(list(command), sizes, out, schedule, strong, batch_flag, global_batch)
-        s, _ = analyze_scaling(dirs, mode, batch_size)
+        if cluster is not None:
+            from diagnose.ingest.cluster import connect  # lazily: dask only with --cluster
+
+            with connect(cluster) as reader:
+                s, _ = analyze_scaling(dirs, mode, batch_size, reader)
+            note(reader.stats.line())
+        else:
+            s, _ = analyze_scaling(dirs, mode, batch_size)
         from diagnose.scaling_output import write_scaling
 
         written = write_scaling(s, out)

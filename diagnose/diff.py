@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
@@ -258,21 +259,22 @@ def _fail(msg: str) -> None:
 
 
 def run_diff(before: str, after: str, out: Path, *, hta: bool = False, hta_budget_mb: float | None = None,
-             hta_timeout: float | None = None) -> int:
+             hta_timeout: float | None = None, cluster: str | None = None) -> int:
+    """cluster: a Dask scheduler's address (or local:N) whose workers read both runs' traces."""
     from diagnose.errors import DiagnoseError
-    from diagnose.pipeline import diagnose_paths
 
-    diags = []
-    for path in (before, after):
-        try:
-            d = diagnose_paths([path])
-        except DiagnoseError as exc:
-            _fail(str(exc))
-        if hta:
-            from diagnose.hta import DEFAULT_BUDGET_MB, DEFAULT_TIMEOUT_S, attach_hta
-            d = attach_hta(d, [path], budget_mb=hta_budget_mb or DEFAULT_BUDGET_MB,
-                           timeout_s=hta_timeout or DEFAULT_TIMEOUT_S)
-        diags.append(d)
+    with ExitStack() as stack:
+        reader = None
+        if cluster is not None:
+            from diagnose.ingest.cluster import connect  # lazily: dask only with --cluster
+
+            try:
+                reader = stack.enter_context(connect(cluster))
+            except DiagnoseError as exc:
+                _fail(str(exc))
+        diags = _diagnose_both(before, after, hta, hta_budget_mb, hta_timeout, reader)
+        if reader is not None:
+            click.echo(reader.stats.line(), err=True)
     diff = diff_diagnoses(diags[0], diags[1], before_label=Path(before).name or "before",
                           after_label=Path(after).name or "after", before_path=before, after_path=after)
     try:
@@ -285,6 +287,25 @@ def run_diff(before: str, after: str, out: Path, *, hta: bool = False, hta_budge
     return 0
 
 
+def _diagnose_both(before: str, after: str, hta: bool, hta_budget_mb: float | None, hta_timeout: float | None,
+                   reader) -> list:
+    from diagnose.errors import DiagnoseError
+    from diagnose.pipeline import diagnose_paths
+
+    diags = []
+    for path in (before, after):
+        try:
+            d = diagnose_paths([path], reader=reader)
+        except DiagnoseError as exc:
+            _fail(str(exc))
+        if hta:
+            from diagnose.hta import DEFAULT_BUDGET_MB, DEFAULT_TIMEOUT_S, attach_hta
+            d = attach_hta(d, [path], budget_mb=hta_budget_mb or DEFAULT_BUDGET_MB,
+                           timeout_s=hta_timeout or DEFAULT_TIMEOUT_S)
+        diags.append(d)
+    return diags
+
+
 @click.command("diff")
 @click.argument("before_dir")
 @click.argument("after_dir")
@@ -294,7 +315,14 @@ def run_diff(before: str, after: str, out: Path, *, hta: bool = False, hta_budge
               help="Add Holistic Trace Analysis's temporal breakdown of each run (needs the hta extra).")
 @click.option("--hta-budget-mb", default=None, type=float, help="Largest expanded trace size HTA may load.")
 @click.option("--hta-timeout", default=None, type=float, help="Seconds HTA may run per side.")
+@click.option("--cluster", default=None, metavar="ADDRESS",
+              help="Read both runs' traces on the workers of a Dask cluster (tcp://HOST:8786 or local:N; "
+                   "see diagnose analyze --help).")
 def diff_command(before_dir: str, after_dir: str, out: Path, hta: bool, hta_budget_mb: float | None,
-                 hta_timeout: float | None) -> None:
+                 hta_timeout: float | None, cluster: str | None) -> None:
     """Compare two runs: what disappeared, appeared or changed, and the step time change."""
-    sys.exit(run_diff(before_dir, after_dir, out, hta=hta, hta_budget_mb=hta_budget_mb, hta_timeout=hta_timeout))
+    from diagnose.cli import cluster_paths
+
+    cluster_paths((before_dir, after_dir), cluster, (), hta)
+    sys.exit(run_diff(before_dir, after_dir, out, hta=hta, hta_budget_mb=hta_budget_mb, hta_timeout=hta_timeout,
+                      cluster=cluster))

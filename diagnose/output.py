@@ -172,18 +172,29 @@ class HtaOptions:
 
 def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
                     echo: bool = True, hta: HtaOptions | None = None, probe_paths: list[str] | None = None,
-                    link=None) -> None:
-    """The shared tail of every diagnosing command; raises DiagnoseError on bad input."""
+                    link=None, cluster: str | None = None) -> None:
+    """The shared tail of every diagnosing command; raises DiagnoseError on bad input. cluster: a
+    Dask scheduler's address (or local:N) whose workers list and read `paths`."""
     from diagnose.output import terminal_summary, write_json
     from diagnose.pipeline import diagnose_paths
 
     progress = ProgressLine() if echo and sys.stderr.isatty() else None
     try:
-        d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs, progress=progress,
-                           probe_paths=probe_paths, link=link)
+        if cluster is None:
+            d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs, progress=progress,
+                               probe_paths=probe_paths, link=link)
+        else:
+            from diagnose.ingest.cluster import connect  # lazily: dask only with --cluster
+
+            with connect(cluster) as reader:
+                d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), progress=progress,
+                                   probe_paths=probe_paths, link=link, reader=reader)
+            said = reader.stats.line()
     finally:
         if progress is not None:
             progress.close()
+    if cluster is not None and echo:
+        click.echo(said, err=True)
     if hta is not None:
         from diagnose.hta import attach_hta
 

@@ -9,7 +9,7 @@ import numpy as np
 from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.context import Context, build_context
 from diagnose.errors import one_line
-from diagnose.ingest.assemble import Progress, ReduceFailed, Run, load_run
+from diagnose.ingest.assemble import Progress, Reader, ReduceFailed, Run, load_run
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
@@ -291,11 +291,16 @@ def _lateness_extra(ctx: Context) -> dict:
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jobs: int | None = None, progress: Progress | None = None,
-                   probe_paths: list[str | Path] | None = None, link: LinkSpec | None = None) -> Diagnosis:
+                   probe_paths: list[str | Path] | None = None, link: LinkSpec | None = None,
+                   reader: Reader | None = None) -> Diagnosis:
     """probe_paths: where the probes' sidecars and step logs are, when not beside the traces (a
-    capture's traces sit in a subdirectory of the run's probe directory). link: see diagnose_run."""
-    run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress)
-    probes = load_probe_data(paths if probe_paths is None else probe_paths)
+    capture's traces sit in a subdirectory of the run's probe directory). link: see diagnose_run.
+    reader: where the traces are read (a Dask cluster's workers); the probes' small files are read
+    here, from those of the paths that this machine sees too."""
+    run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress, reader=reader)
+    if probe_paths is None:
+        probe_paths = paths if reader is None else [p for p in paths if Path(p).exists()]
+    probes = load_probe_data(probe_paths) if probe_paths else {}
     for p in probes.values():
         run.warnings.extend(p.warnings)
     return diagnose_run(run, th, probes, link=link)

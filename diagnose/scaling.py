@@ -30,6 +30,7 @@ from pathlib import Path
 
 from diagnose.errors import DiagnoseError
 from diagnose.model import Diagnosis
+from diagnose.ingest.assemble import Reader
 from diagnose.pipeline import diagnose_paths
 from diagnose.probedata import load_probe_data
 from diagnose.rundir import resolve_run
@@ -114,10 +115,15 @@ def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None]:
     return (statistics.median(per_rank) if per_rank else None), batch
 
 
-def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None) -> tuple[ScalePoint, Diagnosis]:
-    run_dir = resolve_run(run_dir)  # a run's `--out` parent stands for its newest run
-    traces = run_dir / "traces" if (run_dir / "traces").is_dir() else run_dir
-    d = diagnose_paths([traces])
+def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None,
+                  reader: Reader | None = None) -> tuple[ScalePoint, Diagnosis]:
+    """reader: a Dask cluster's (`--cluster`); a run this machine does not see is listed on its workers."""
+    if reader is None or run_dir.exists():
+        run_dir = resolve_run(run_dir)  # a run's `--out` parent stands for its newest run
+        traces = run_dir / "traces" if (run_dir / "traces").is_dir() else run_dir
+    else:
+        traces = run_dir  # the workers' listing finds DIR/traces/ as a local one would
+    d = diagnose_paths([traces], reader=reader)
     probe_ms, probe_batch = _probe_step_ms(traces)
     trace_ms = statistics.fmean(d.run.mean_step_ms.values())
     step_ms, source = (probe_ms, "probe steps") if probe_ms else (trace_ms, "traced steps")
@@ -142,12 +148,12 @@ def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None) -> t
     return point, d
 
 
-def analyze_scaling(runs: dict[int, Path], mode: str = "weak",
-                    batch_size: int | None = None) -> tuple[Scaling, dict[int, Diagnosis]]:
+def analyze_scaling(runs: dict[int, Path], mode: str = "weak", batch_size: int | None = None,
+                    reader: Reader | None = None) -> tuple[Scaling, dict[int, Diagnosis]]:
     """Measure each run directory, then account for the speedup (see `account`)."""
     if len(runs) < 2:
         raise DiagnoseError("scaling needs runs at two or more world sizes")
-    measured = {n: measure_point(n, Path(p), batch_size) for n, p in sorted(runs.items())}
+    measured = {n: measure_point(n, Path(p), batch_size, reader) for n, p in sorted(runs.items())}
     baseline = measured[min(measured)][1].findings
     top = measured[max(measured)][1]
     ranks = {f.id: tuple(f.ranks) for f in top.findings}

@@ -16,7 +16,7 @@ from diagnose.ingest.load import load_trace
 from diagnose.ingest.source import ReadState, iter_blocks
 from diagnose.ingest.stream import CHUNK, parse_stream
 from diagnose.analyzers import CHECKLIST, reduce_rank
-from diagnose.ingest.assemble import _load_one, load_files, load_run
+from diagnose.ingest.assemble import load_one, load_files, load_run
 from tests.conftest import SHARED
 
 
@@ -243,7 +243,7 @@ def test_unexpected_reader_error_costs_one_file_not_the_run(tmp_path, monkeypatc
         raise ValueError("a bug")
 
     monkeypatch.setattr(run_mod, "load_trace", boom)
-    out = _load_one((str(good), 1 << 20, None))
+    out = load_one((str(good), 1 << 20, None))
     assert out.trace is None and "internal error: ValueError: a bug" in out.error and str(good) in out.error
 
 

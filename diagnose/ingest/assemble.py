@@ -6,13 +6,13 @@ file's problem is raised (error, exit 2). Files that cannot belong to one run (t
 files for a rank, different world sizes, profiles that do not overlap in time) are
 refused: which run the user meant is not ours to guess.
 
-Each rank is parsed and reduced in one step (`_load_one`), in worker processes when the
+Each rank is parsed and reduced in one step (`load_one`), in worker processes when the
 input is large: its timeline, then each check's per-rank summary (the `reduce` the
 pipeline passes in), then its events table is cut down to the few events cited as
 evidence. The parent holds timelines and summaries, never a rank's raw JSON or whole
 event table, so its memory does not grow with the trace sizes, and the checks' per-rank
-work runs in parallel. The same reduction could run on each training host and ship only
-the summaries.
+work runs in parallel. With `--cluster` the same reduction runs on Dask workers next to
+the files (ingest/cluster.py) and only its result travels.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
@@ -96,7 +97,9 @@ class Loaded:
     idle: IdleModel | ReduceFailed | None = None
 
 
-def _load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
+def load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
+    """One file, parsed and reduced; never raises (what went wrong is the Loaded's error). Runs in
+    this process, in a local worker process, or on a Dask worker next to the file (ingest/cluster.py)."""
     path, max_bytes, reduce = args
     try:
         trace = load_trace(path, max_bytes)
@@ -161,7 +164,7 @@ def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Redu
     if workers > 1 and total >= PARALLEL_MIN_BYTES:
         try:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                futures = {pool.submit(_load_one, w): i for i, w in enumerate(work)}
+                futures = {pool.submit(load_one, w): i for i, w in enumerate(work)}
                 out: list[Loaded | None] = [None] * len(work)
                 for done, fut in enumerate(as_completed(futures), 1):
                     out[futures[fut]] = fut.result()
@@ -171,7 +174,7 @@ def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Redu
             pass  # no processes to be had (sandbox, limits, a worker killed): read here instead
     out_serial = []
     for done, w in enumerate(work, 1):
-        out_serial.append(_load_one(w))
+        out_serial.append(load_one(w))
         tell(done, len(work), Path(w[0]).name)
     return out_serial
 
@@ -273,11 +276,21 @@ def _check_overlap(by_rank: dict[int, RankTrace]) -> None:
                             by_rank[early].path.parent)
 
 
+class Reader(Protocol):
+    """Loads files somewhere else (ingest/cluster.py's DaskReader): the paths are listed and read there."""
+
+    def load(self, paths: list[str | Path], max_bytes: int, reduce: Reduce | None,
+             progress: Progress | None = None) -> list[Loaded]: ...
+
+
 def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, jobs: int | None = None,
-             reduce: Reduce | None = None, progress: Progress | None = None) -> Run:
-    """reduce: each check's per-rank phase (analyzers.reduce_rank); without it every event is kept."""
-    files = discover_traces(paths)
-    loaded = load_files(files, max_bytes, jobs, reduce, progress)
+             reduce: Reduce | None = None, progress: Progress | None = None, reader: Reader | None = None) -> Run:
+    """reduce: each check's per-rank phase (analyzers.reduce_rank); without it every event is kept.
+    reader: where the files are listed and read (default: here)."""
+    if reader is not None:
+        loaded = reader.load(paths, max_bytes, reduce, progress)
+    else:
+        loaded = load_files(discover_traces(paths), max_bytes, jobs, reduce, progress)
     errors = [x.error for x in loaded if x.error]
     ok = [x for x in loaded if x.trace is not None and x.timeline is not None]
     if not ok:

@@ -1,0 +1,122 @@
+"""`--cluster` at 256 and 1,024 ranks: time against the single-machine path, the client's memory,
+and what travels per rank.
+
+Builds N ranks by replicating the 8 real ranks of ../shared/traces/param_dlrm_8rank_v100, each
+copy with its rank id (distributedInfo.rank, world_size and the file name) rewritten, into a
+temporary directory. Then, each in its own child process (so peaks do not mix), on the same files:
+
+- local: diagnose.pipeline.diagnose_paths, the single-machine path (its own pool of 2 processes);
+- cluster: the same through a LocalCluster of 2 worker processes started in that child
+  (diagnose_paths(..., reader=DaskReader)); the cluster's start is timed apart.
+
+Prints wall times, the ratio cluster / local, the client's peak resident memory (VmHWM of the
+child; the workers' are theirs), and the bytes that travelled back per rank.
+
+    python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks
+    python benchmarks/bench_cluster.py --ranks 64        # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT.parent / "shared" / "traces" / "param_dlrm_8rank_v100"
+
+
+def build(out: Path, n: int) -> Path:
+    """n ranks, rank r a copy of real rank r % 8 with its ids rewritten."""
+    d = out / f"ranks{n}"
+    d.mkdir(parents=True, exist_ok=True)
+    src = sorted(SOURCE.glob("worker*.pt.trace.json.gz"))
+    docs = [orjson.loads(gzip.decompress(p.read_bytes())) for p in src]
+    for r in range(n):
+        doc = docs[r % len(docs)]
+        doc["distributedInfo"] = {**doc["distributedInfo"], "rank": r, "world_size": n}
+        (d / f"rank{r}.pt.trace.json").write_bytes(orjson.dumps(doc))
+    return d
+
+
+def _peak_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(kind: str, target: str) -> dict:
+    from diagnose.pipeline import diagnose_paths
+
+    start_s = 0.0
+    if kind == "local":
+        t = time.perf_counter()
+        d = diagnose_paths([target], jobs=2)
+        wall = time.perf_counter() - t
+        back = None
+    else:
+        from diagnose.ingest.cluster import connect
+
+        t0 = time.perf_counter()
+        with connect("local:2") as reader:
+            start_s = time.perf_counter() - t0
+            t = time.perf_counter()
+            d = diagnose_paths([target], reader=reader)
+            wall = time.perf_counter() - t
+            back = reader.stats.bytes_back / max(reader.stats.files, 1)
+    assert len(d.run.ranks_found) >= 1
+    return {"wall_s": wall, "start_s": start_s, "peak_mb": _peak_mb(), "bytes_per_rank": back,
+            "ranks": len(d.run.ranks_found), "top": d.top.id if d.top else None}
+
+
+def run_child(kind: str, target: str, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "--measure", kind, "--target", target]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if res.returncode != 0:
+        return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", default="256,1024")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--measure", choices=["local", "cluster"])
+    ap.add_argument("--target")
+    a = ap.parse_args(argv)
+    if a.measure:
+        print(json.dumps(measure(a.measure, a.target)))
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        for n in [int(x) for x in a.ranks.split(",")]:
+            target = build(Path(tmp), n)
+            local = run_child("local", str(target), a.timeout)
+            clus = run_child("cluster", str(target), a.timeout)
+            rows.append((n, local, clus))
+            print(f"{n} ranks: local {local}\n{n} ranks: cluster {clus}", flush=True)
+    print("\n| ranks | single machine (2 processes) | LocalCluster of 2 (its start apart) | ratio | client peak, "
+          "single / cluster | back per rank |")
+    print("|---|---|---|---|---|---|")
+    for n, lo, cl in rows:
+        if "error" in lo or "error" in cl:
+            print(f"| {n} | {lo.get('error', '')} | {cl.get('error', '')} | | | |")
+            continue
+        print(f"| {n} | {lo['wall_s']:.1f} s | {cl['wall_s']:.1f} s (+{cl['start_s']:.1f} s) | "
+              f"{cl['wall_s'] / lo['wall_s']:.2f}x | {lo['peak_mb']:.0f} / {cl['peak_mb']:.0f} MB | "
+              f"{cl['bytes_per_rank'] / 1024:.0f} KiB |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

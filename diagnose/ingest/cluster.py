@@ -1,0 +1,315 @@
+"""Read each rank's trace where it lies: on the workers of a Dask cluster (`--cluster`).
+
+A 1,024-rank job's traces sit on its hosts' local disks or on a shared filesystem that is slow
+to read from one client. Each rank is already reduced to a small summary in a worker process
+(assemble.load_one: timeline, each check's per-rank facts, the few events cited as evidence);
+here that same function runs on Dask workers next to the files, and only its result, pickled,
+travels back. The client then assembles the Run and runs the checklist exactly as for local
+files, so the diagnosis is the same.
+
+Why Dask and not a home-made pool: users who analyse thousands of ranks already run a
+scheduler (or can start one with their job's launcher), and it brings worker liveness,
+transport and placement (`workers=` restrictions) that are hard to get right by hand.
+What is ours: which worker reads which file (each file once, on a worker that sees it) and
+what happens when a worker dies (its files retried once on another worker that sees them,
+then reported as skipped: dask's own retry would wait forever for a restricted task whose
+only worker is gone).
+
+Paths are listed on the workers, never on the client; `$VAR` and `~` are expanded on each
+worker, so `--local-path '$SLURM_TMPDIR/traces'` names each host's own node-local disk.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diagnose.errors import DiagnoseError
+from diagnose.ingest.assemble import INTERNAL_ERROR, Loaded, Progress, Reduce, load_one
+from diagnose.ingest.discover import discover_traces
+
+INSTALL = "pip install 'torch-diagnose[dask]'"
+LOCAL = "local:"
+POLL_S = 0.5
+"""How often the client checks that the workers holding unfinished files are still alive."""
+IDLE_S = 0.02
+"""The client's sleep when no file finished: short beside a file's read (tenths of a second)."""
+RESULT_WAIT_S = 5.0
+"""How long to wait for a finished file's result before checking that its worker still holds it."""
+CONNECT_TIMEOUT_S = 10.0
+"""Dask retries a refused connection until then: a scheduler not up yet, or a wrong address."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Listed:
+    """A trace file as a worker lists it. Several workers listing the same (path, size, mtime)
+    see one file (a shared filesystem, or two workers on one host): it is read once."""
+
+    given: int
+    """Which of the paths the user gave it was found under (results keep the given order)."""
+    path: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass(slots=True)
+class ClusterStats:
+    """What the cluster did, for the terminal line and the benchmark."""
+
+    address: str
+    workers: int = 0
+    files: int = 0
+    bytes_back: int = 0
+    """Pickled bytes of the per-rank results that travelled to the client, in all."""
+    read_on: dict[str, int] = field(default_factory=dict)
+    """Files read per worker address."""
+    retried: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        per = self.bytes_back / self.files / 1024 if self.files else 0.0
+        out = (f"cluster {self.address}: {self.files} file(s) read on {len(self.read_on)} of {self.workers} "
+               f"worker(s); {self.bytes_back / 1024**2:.1f} MiB travelled back ({per:.0f} KiB per file)")
+        if self.retried:
+            out += f"; {len(self.retried)} retried after a worker was lost"
+        if self.lost:
+            out += f"; {len(self.lost)} skipped (lost with their worker)"
+        return out
+
+
+# -- what runs on the workers (module-level: Dask pickles these by reference) ---------------------
+
+def _version() -> str:
+    from diagnose import __version__
+
+    return __version__
+
+
+def list_here(paths: list[str]) -> tuple[str, list[Listed], list[str]]:
+    """On a worker: (its host, the trace files it sees under `paths`, problems with what it sees).
+    A path that does not exist here is another host's: nothing to list, no problem."""
+    found: list[Listed] = []
+    problems: list[str] = []
+    for i, raw in enumerate(paths):
+        p = os.path.expanduser(os.path.expandvars(raw))
+        if not os.path.exists(p):
+            continue
+        try:
+            files = discover_traces([p])
+        except DiagnoseError as exc:
+            problems.append(str(exc))
+            continue
+        for f in files:
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            found.append(Listed(i, str(f), st.st_size, st.st_mtime_ns))
+    return socket.gethostname(), found, problems
+
+
+def load_remote(args: tuple[str, int, Reduce | None]) -> bytes:
+    """On a worker: one file's Loaded, pickled here so that what travels is counted exactly."""
+    return pickle.dumps(load_one(args), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# -- the client side ------------------------------------------------------------------------------
+
+def _killed(exc: BaseException | None) -> bool:
+    return type(exc).__name__ == "KilledWorker"
+
+def parse_address(text: str) -> tuple[str, int | None]:
+    """(`ADDRESS` or "local", workers for a LocalCluster); a bad one raises ValueError."""
+    t = text.strip()
+    if t.startswith(LOCAL):
+        n = t[len(LOCAL):]
+        if not n.isdigit() or not 1 <= int(n) <= 1024:
+            raise ValueError(f"{text!r}: local:N needs N workers, 1 to 1024 (e.g. local:2)")
+        return "local", int(n)
+    if "://" in t:
+        scheme, rest = t.split("://", 1)
+        if scheme not in ("tcp", "tls", "ucx", "inproc", "ws", "wss") or not rest:
+            raise ValueError(f"{text!r}: not a Dask scheduler address (tcp://HOST:8786, or local:N)")
+        return t, None
+    host, _, port = t.rpartition(":")
+    if host and port.isdigit():
+        return f"tcp://{t}", None
+    raise ValueError(f"{text!r}: not a Dask scheduler address (tcp://HOST:8786, or local:N)")
+
+
+@contextmanager
+def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Iterator["DaskReader"]:
+    """A reader on the scheduler at `address` (or on a LocalCluster started here and stopped after)."""
+    try:
+        from distributed import Client, LocalCluster
+    except ImportError:
+        raise DiagnoseError(f"--cluster needs Dask, which is not installed: {INSTALL}") from None
+    try:
+        where, n = parse_address(address)
+    except ValueError as exc:
+        raise DiagnoseError(f"--cluster {exc}") from None
+    cluster = None
+    try:
+        if n is not None:
+            # one thread per process: the per-rank work is pandas/numpy that holds the GIL often;
+            # port 0: the scheduler's HTTP endpoints on a free port, never a clash with a running cluster's
+            cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                   silence_logs=logging.ERROR)
+            client = Client(cluster)
+        else:
+            client = Client(where, timeout=timeout_s)
+    except (OSError, TimeoutError) as exc:
+        if cluster is not None:
+            cluster.close()
+        raise DiagnoseError(f"cannot reach the Dask scheduler at {address} ({exc})") from None
+    try:
+        yield DaskReader(client, address if n is None else f"LocalCluster of {n}")
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+class DaskReader:
+    """Lists the traces on the workers and loads each file once, on a worker that sees it."""
+
+    def __init__(self, client, label: str) -> None:
+        self.client = client
+        self.stats = ClusterStats(label)
+
+    def _check_workers(self) -> None:
+        from diagnose import __version__
+
+        try:
+            versions = self.client.run(_version)
+        except (ImportError, AttributeError) as exc:
+            raise DiagnoseError(f"the Dask workers cannot import diagnose ({exc}): install torch-diagnose "
+                                "(the client's version) on every worker") from None
+        if not versions:
+            raise DiagnoseError(f"the Dask scheduler at {self.stats.address} has no workers")
+        other = {a: v for a, v in versions.items() if v != __version__}
+        if other:
+            a, v = next(iter(other.items()))
+            raise DiagnoseError(f"worker {a} runs torch-diagnose {v}, this client {__version__}: install one "
+                                f"version everywhere ({len(other)} worker(s) differ)")
+        self.stats.workers = len(versions)
+
+    def listing(self, paths: list[str]) -> tuple[dict[Listed, list[str]], dict[str, str]]:
+        """Every file the workers see, with the workers that see it; and each worker's host."""
+        self._check_workers()
+        seen = self.client.run(list_here, [str(p) for p in paths])
+        hosts: dict[str, str] = {}
+        where: dict[Listed, list[str]] = {}
+        problems: list[str] = []
+        for addr in sorted(seen):
+            host, found, bad = seen[addr]
+            hosts[addr] = host
+            problems += bad
+            for f in found:
+                where.setdefault(f, []).append(addr)
+        if not where:
+            if problems:
+                raise DiagnoseError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+            names = ", ".join(map(str, paths))
+            raise DiagnoseError(f"no worker of {self.stats.address} sees a trace file under {names} "
+                                "(paths are read on the workers, with $VAR and ~ expanded there)")
+        return where, hosts
+
+    def load(self, paths: list[str | Path], max_bytes: int, reduce: Reduce | None,
+             progress: Progress | None = None) -> list[Loaded]:
+        """Each file's Loaded, in the order a local read would give (given path, then file)."""
+        from distributed import as_completed
+
+        where, hosts = self.listing([str(p) for p in paths])
+        files = sorted(where)
+        index = {f: i for i, f in enumerate(files)}
+        self.stats.files = len(files)
+        load: dict[str, int] = {a: 0 for a in hosts}
+        plan: dict[Listed, str] = {}
+        for f in sorted(files, key=lambda f: -f.size):  # biggest first, each to its least-loaded reader
+            a = min(where[f], key=lambda a: (load[a], a))
+            plan[f] = a
+            load[a] += f.size
+        tell = progress or (lambda done, n, name: None)
+        out: dict[Listed, Loaded] = {}
+        tried: dict[Listed, list[str]] = {f: [] for f in files}
+        pending: dict[object, Listed] = {}
+
+        def submit(f: Listed, addr: str) -> None:
+            tried[f].append(addr)
+            fut = self.client.submit(load_remote, (f.path, max_bytes, reduce), workers=[addr],
+                                     allow_other_workers=False, pure=False, retries=0,
+                                     key=f"diagnose-load-{len(tried[f])}-{index[f]}-{Path(f.path).name}")
+            pending[fut] = f
+            ready.add(fut)
+
+        def lost(f: Listed, addr: str) -> None:
+            """The worker reading `f` is gone: once more elsewhere, else skipped."""
+            again = [a for a in where[f] if a not in tried[f] and a in alive]
+            if len(tried[f]) < 2 and again:
+                self.stats.retried.append(f.path)
+                submit(f, min(again, key=lambda a: (load[a], a)))
+                return
+            why = ("and again on its retry" if len(tried[f]) > 1 else "and no other worker sees it")
+            self.stats.lost.append(f.path)
+            out[f] = Loaded(Path(f.path), error=f"{f.path}: worker {addr} on {hosts.get(addr, '?')} was lost "
+                                                f"while reading it, {why}")
+            tell(len(out), len(files), Path(f.path).name)
+
+        ready = as_completed()
+        for f in files:
+            submit(f, plan[f])
+        alive = set(hosts)
+        checked = time.monotonic()
+        while pending:
+            done = ready.next_batch(block=False) if not ready.is_empty() else []
+            for fut in done:
+                if fut not in pending:
+                    continue  # cancelled after its worker was lost: already retried or skipped
+                f = pending.pop(fut)
+                addr = tried[f][-1]
+                if fut.status == "finished":
+                    try:  # its result still lies on the worker: a worker lost now takes it along
+                        blob = fut.result(timeout=RESULT_WAIT_S)
+                    except TimeoutError:
+                        if addr in set(self.client.nthreads()):
+                            pending[fut] = f  # a slow transfer: fetch it next round
+                            ready.add(fut)
+                        else:  # dask would recompute it on the one worker allowed, which is gone
+                            fut.cancel()
+                            lost(f, addr)
+                        continue
+                    self.stats.bytes_back += len(blob)
+                    self.stats.read_on[addr] = self.stats.read_on.get(addr, 0) + 1
+                    out[f] = pickle.loads(blob)
+                    tell(len(out), len(files), Path(f.path).name)
+                elif fut.status == "error" and not _killed(fut.exception()):
+                    # load_one never raises: this is the result failing to pickle, or the like
+                    out[f] = Loaded(Path(f.path), error=f"{f.path}: could not be read on worker {addr} "
+                                                        f"({INTERNAL_ERROR}: {fut.exception()!r:.200}; please report it)")
+                    tell(len(out), len(files), Path(f.path).name)
+                else:  # its worker killed too often (KilledWorker), or cancelled with the cluster
+                    lost(f, addr)
+                fut.release()
+            if not done:
+                time.sleep(IDLE_S)
+            if time.monotonic() - checked < POLL_S:
+                continue
+            checked = time.monotonic()
+            try:
+                alive = set(self.client.nthreads())
+            except (OSError, TimeoutError) as exc:
+                raise DiagnoseError(f"lost the Dask scheduler at {self.stats.address} ({exc})") from None
+            for fut, f in list(pending.items()):
+                if tried[f][-1] not in alive:
+                    del pending[fut]
+                    fut.cancel()
+                    lost(f, tried[f][-1])
+        return [out[f] for f in files]
+

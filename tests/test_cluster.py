@@ -1,0 +1,211 @@
+"""`--cluster`: the ranks' traces read on Dask workers where they lie (diagnose/ingest/cluster.py).
+
+Real LocalClusters of 2 worker processes on this machine. Two hosts with node-local disks are
+simulated by giving each worker its own directory through its environment ($DIAGNOSE_TEST_DISK,
+expanded on the worker, as $SLURM_TMPDIR would be on a real host): a worker sees only the ranks
+under its own directory.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from tests.conftest import shared
+from diagnose.errors import DiagnoseError
+from diagnose.output import diagnosis_dict
+from diagnose.pipeline import diagnose_paths
+
+distributed = pytest.importorskip("distributed")  # the test extra installs it: this guards a bare checkout
+
+from diagnose.ingest.cluster import ClusterStats, connect, parse_address  # noqa: E402
+
+DLRM = shared("param_dlrm_8rank_v100")
+DISK = "$DIAGNOSE_TEST_DISK/traces"
+
+
+def rank_files() -> dict[int, Path]:
+    return {int(p.name[len("worker")]): p for p in sorted(DLRM.glob("worker*.pt.trace.json.gz"))}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                                 silence_logs=50)
+    client = distributed.Client(c)
+    yield c, client
+    client.close()
+    c.close()
+
+
+def workers(client) -> list[str]:
+    client.wait_for_workers(2, timeout=60)
+    return sorted(client.scheduler_info()["workers"])
+
+
+def give_disks(client, disks: list[Path]) -> None:
+    """Worker i sees disks[i] as its $DIAGNOSE_TEST_DISK."""
+    for addr, disk in zip(workers(client), disks):
+        client.run(lambda v=str(disk): os.environ.__setitem__("DIAGNOSE_TEST_DISK", v), workers=[addr])
+
+
+def two_hosts(tmp_path: Path, first: range, second: range) -> list[Path]:
+    files = rank_files()
+    disks = []
+    for name, ranks in (("hostA", first), ("hostB", second)):
+        d = tmp_path / name / "traces"
+        d.mkdir(parents=True)
+        for r in ranks:
+            shutil.copy(files[r], d / files[r].name)
+        disks.append(d.parent)
+    return disks
+
+
+def as_json(d) -> dict:
+    return orjson.loads(orjson.dumps(diagnosis_dict(d), option=orjson.OPT_SERIALIZE_NUMPY))
+
+
+def completed_loads(stream: list[dict]) -> list[str]:
+    """Which files' loads Dask itself recorded as run to completion (its task stream, not ours)."""
+    return [t["key"] for t in stream if str(t["key"]).startswith("diagnose-load-")]
+
+
+def test_ranks_on_two_hosts_local_disks_give_the_single_machine_diagnosis(cluster, tmp_path):
+    c, client = cluster
+    disks = two_hosts(tmp_path, range(0, 4), range(4, 7))  # rank 7 on neither host
+    give_disks(client, disks)
+    single = diagnose_paths([d / "traces" for d in disks])
+    with distributed.get_task_stream(client) as ts, connect(c.scheduler_address) as reader:
+        spread = diagnose_paths([DISK], reader=reader)
+    assert as_json(spread) == as_json(single)
+    assert list(spread.run.ranks_found) == list(range(7)) and spread.run.world_size == 8
+    assert any("missing rank(s) 7" in w for w in spread.warnings)
+    # each file read once, by the worker whose disk holds it
+    keys = completed_loads(ts.data)
+    assert len(keys) == 7 and len({k.split("-", 3)[3] for k in keys}) == 7
+    assert sorted(reader.stats.read_on.values()) == [3, 4]
+    assert reader.stats.files == 7 and not reader.stats.retried and not reader.stats.lost
+    assert 0 < reader.stats.bytes_back < 7 * 2 * 1024**2  # summaries, not the traces (2-6 MB of JSON each)
+
+
+def test_a_shared_path_seen_by_every_worker_is_read_once(cluster):
+    c, client = cluster
+    workers(client)
+    with distributed.get_task_stream(client) as ts, connect(c.scheduler_address) as reader:
+        spread = diagnose_paths([DLRM], reader=reader)
+    assert as_json(spread) == as_json(diagnose_paths([DLRM]))
+    keys = completed_loads(ts.data)
+    assert len(keys) == 8 and len({k.split("-", 3)[3] for k in keys}) == 8
+    assert sorted(reader.stats.read_on.values()) == [4, 4]  # split by bytes over the two workers
+
+
+def kill_at_first_result(client, victim: str):
+    """A progress callback that SIGKILLs the `victim` worker's process when the first file is done:
+    the victim still holds files it has not finished."""
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    fired = []
+
+    def progress(done: int, total: int, name: str) -> None:
+        if not fired:
+            fired.append(name)
+            os.kill(pid, signal.SIGKILL)
+    return progress, fired
+
+
+def test_a_worker_killed_mid_analysis_has_its_files_retried_on_the_other(cluster):
+    c, client = cluster
+    victim = workers(client)[1]
+    progress, fired = kill_at_first_result(client, victim)
+    with connect(c.scheduler_address) as reader:
+        spread = diagnose_paths([DLRM], reader=reader, progress=progress)
+    assert fired
+    assert reader.stats.retried, "the victim had unfinished files"
+    assert not reader.stats.lost and not spread.skipped
+    assert list(spread.run.ranks_found) == list(range(8))
+    assert as_json(spread) == as_json(diagnose_paths([DLRM]))
+
+
+def test_a_worker_lost_with_files_no_other_sees_reports_them_skipped(cluster, tmp_path):
+    c, client = cluster
+    disks = two_hosts(tmp_path, range(0, 4), range(4, 8))
+    give_disks(client, disks)
+    victim = workers(client)[1]  # holds hostB: ranks 4-7
+    progress, fired = kill_at_first_result(client, victim)
+    with connect(c.scheduler_address) as reader:
+        spread = diagnose_paths([DISK], reader=reader, progress=progress)
+    assert fired and reader.stats.lost and not reader.stats.retried
+    lost = {int(Path(p).name[len("worker")]) for p in reader.stats.lost}
+    assert lost <= set(range(4, 8))
+    assert set(spread.run.ranks_found) == set(range(8)) - lost
+    assert all("was lost while reading it, and no other worker sees it" in s for s in spread.skipped)
+    assert len(spread.skipped) == len(lost)
+
+
+def test_the_command_line_with_a_local_cluster(tmp_path):
+    res = CliRunner().invoke(_main(), ["analyze", "--cluster", "local:2", str(DLRM), "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "cluster LocalCluster of 2: 8 file(s) read on 2 of 2 worker(s)" in res.output
+    written = orjson.loads((tmp_path / "diagnosis.json").read_bytes())
+    assert written == as_json(diagnose_paths([DLRM]))
+
+
+def _main():
+    from diagnose.cli import main
+
+    return main
+
+
+@pytest.mark.parametrize("text, want", [
+    ("local:2", ("local", 2)), ("tcp://10.0.0.1:8786", ("tcp://10.0.0.1:8786", None)),
+    ("sched:8786", ("tcp://sched:8786", None)), ("tls://h:1", ("tls://h:1", None)),
+])
+def test_addresses(text, want):
+    assert parse_address(text) == want
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["analyze", "--cluster", "local:0", "x"], "local:N needs N workers"),
+    (["analyze", "--cluster", "http://x:1", "x"], "not a Dask scheduler address"),
+    (["analyze", "--local-path", "/x"], "give --cluster ADDRESS too"),
+    (["analyze", "--cluster", "local:2"], "no traces given"),
+    (["analyze", "--cluster", "local:2", "--hta", "x"], "--hta reads the traces on this machine"),
+    (["scale", "--cluster", "local:2", "--nproc", "1,2", "--", "python", "t.py"], "give --runs N=DIR"),
+])
+def test_bad_cluster_options_are_one_line_and_exit_2(argv, says):
+    res = CliRunner().invoke(_main(), argv)
+    assert res.exit_code == 2 and says in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_an_unreachable_scheduler_is_one_error():
+    with pytest.raises(DiagnoseError, match="cannot reach the Dask scheduler at tcp://127.0.0.1:9 "):
+        with connect("tcp://127.0.0.1:9", timeout_s=1):
+            pass
+
+
+def test_without_dask_the_option_says_how_to_install_it_and_plain_analyze_never_imports_it(tmp_path):
+    code = ("import sys; sys.modules['distributed'] = None\n"  # as if not installed: import raises
+            "from click.testing import CliRunner\nfrom diagnose.cli import main\n"
+            f"r = CliRunner().invoke(main, ['analyze', '--cluster', 'local:2', {str(DLRM)!r}])\n"
+            "print('A', r.exit_code, r.output.strip())\n"
+            f"r = CliRunner().invoke(main, ['analyze', {str(DLRM)!r}, '--out', {str(tmp_path)!r}])\n"
+            "print('B', r.exit_code, 'dask' in sys.modules or 'distributed' in sys.modules and "
+            "sys.modules['distributed'] is not None)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    lines = {ln[:1]: ln[2:] for ln in out.splitlines() if ln[:2] in ("A ", "B ")}
+    assert lines["A"].startswith("2 ") and "pip install 'torch-diagnose[dask]'" in lines["A"], out
+    assert lines["B"] == "0 False", out
+
+
+def test_the_stats_line():
+    s = ClusterStats("tcp://h:8786", workers=4, files=8, bytes_back=8 * 300 * 1024, read_on={"a": 5, "b": 3},
+                     retried=["x"], lost=[])
+    assert s.line() == ("cluster tcp://h:8786: 8 file(s) read on 2 of 4 worker(s); 2.3 MiB travelled back "
+                        "(300 KiB per file); 1 retried after a worker was lost")
