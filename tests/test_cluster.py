@@ -106,6 +106,19 @@ def test_a_shared_path_seen_by_every_worker_is_read_once(cluster):
     assert sorted(reader.stats.read_on.values()) == [4, 4]  # split by bytes over the two workers
 
 
+def test_diff_reads_both_runs_on_the_cluster(cluster, tmp_path, capsys):
+    from diagnose.diff import run_diff
+
+    c, client = cluster
+    workers(client)
+    assert run_diff(str(DLRM), str(DLRM), tmp_path / "here") == 0
+    assert run_diff(str(DLRM), str(DLRM), tmp_path / "there", cluster=c.scheduler_address) == 0
+    said = capsys.readouterr().err
+    assert ": 16 file(s) read on 2 of 2 worker(s)" in said  # both runs, counted together
+    assert (orjson.loads((tmp_path / "there" / "diff.json").read_bytes())
+            == orjson.loads((tmp_path / "here" / "diff.json").read_bytes()))
+
+
 def kill_at_first_result(client, victim: str):
     """A progress callback that SIGKILLs the `victim` worker's process when the first file is done:
     the victim still holds files it has not finished."""

@@ -198,7 +198,10 @@ def test_ctrl_c_stops_every_job_process_and_analyses_what_was_written(tmp_path):
         deadline = time.monotonic() + 90
         steps = []
         while len(steps) < 2 or steps[-1] <= steps[0]:  # steps advancing on rank 0, past the traced ones
-            assert time.monotonic() < deadline and launcher.poll() is None, "the job did not start stepping"
+            if launcher.poll() is not None:  # say why: a red test must name what broke
+                pytest.fail(f"the launcher exited {launcher.returncode} before stepping: "
+                            f"{launcher.stderr.read()[-2000:]}")
+            assert time.monotonic() < deadline, "the job did not start stepping"
             time.sleep(0.5)
             log = next(iter(tmp_path.glob("*/traces/rank0.steps.jsonl")), None)
             n = len(log.read_text().splitlines()) if log else 0

@@ -229,7 +229,7 @@ class DaskReader:
         where, hosts = self.listing([str(p) for p in paths])
         files = sorted(where)
         index = {f: i for i, f in enumerate(files)}
-        self.stats.files = len(files)
+        self.stats.files += len(files)  # a reader serves every run of a command (diff: two)
         load: dict[str, int] = {a: 0 for a in hosts}
         plan: dict[Listed, str] = {}
         for f in sorted(files, key=lambda f: -f.size):  # biggest first, each to its least-loaded reader
@@ -245,7 +245,7 @@ class DaskReader:
             tried[f].append(addr)
             fut = self.client.submit(load_remote, (f.path, max_bytes, reduce), workers=[addr],
                                      allow_other_workers=False, pure=False, retries=0,
-                                     key=f"diagnose-load-{len(tried[f])}-{index[f]}-{Path(f.path).name}")
+                                     key=f"diagnose-load-{len(tried[f])}-{self.stats.files - len(files) + index[f]}-{Path(f.path).name}")
             pending[fut] = f
             ready.add(fut)
 
