@@ -228,14 +228,15 @@ class DaskReader:
 
         where, hosts = self.listing([str(p) for p in paths])
         files = sorted(where)
-        index = {f: i for i, f in enumerate(files)}
-        self.stats.files += len(files)  # a reader serves every run of a command (diff: two)
-        load: dict[str, int] = {a: 0 for a in hosts}
+        # task keys numbered on from the runs this reader served before (diff: two): never reused
+        number = {f: self.stats.files + i for i, f in enumerate(files)}
+        self.stats.files += len(files)
+        assigned: dict[str, int] = {a: 0 for a in hosts}
         plan: dict[Listed, str] = {}
         for f in sorted(files, key=lambda f: -f.size):  # biggest first, each to its least-loaded reader
-            a = min(where[f], key=lambda a: (load[a], a))
+            a = min(where[f], key=lambda a: (assigned[a], a))
             plan[f] = a
-            load[a] += f.size
+            assigned[a] += f.size
         tell = progress or (lambda done, n, name: None)
         out: dict[Listed, Loaded] = {}
         tried: dict[Listed, list[str]] = {f: [] for f in files}
@@ -245,7 +246,7 @@ class DaskReader:
             tried[f].append(addr)
             fut = self.client.submit(load_remote, (f.path, max_bytes, reduce), workers=[addr],
                                      allow_other_workers=False, pure=False, retries=0,
-                                     key=f"diagnose-load-{len(tried[f])}-{self.stats.files - len(files) + index[f]}-{Path(f.path).name}")
+                                     key=f"diagnose-load-{len(tried[f])}-{number[f]}-{Path(f.path).name}")
             pending[fut] = f
             ready.add(fut)
 
@@ -254,7 +255,7 @@ class DaskReader:
             again = [a for a in where[f] if a not in tried[f] and a in alive]
             if len(tried[f]) < 2 and again:
                 self.stats.retried.append(f.path)
-                submit(f, min(again, key=lambda a: (load[a], a)))
+                submit(f, min(again, key=lambda a: (assigned[a], a)))
                 return
             why = ("and again on its retry" if len(tried[f]) > 1 else "and no other worker sees it")
             self.stats.lost.append(f.path)
