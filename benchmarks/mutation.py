@@ -50,6 +50,7 @@ def run(children: int, sample: int, seed: int) -> None:
     if version and version != MUTMUT:
         sys.exit(f"mutmut {version} found; this script reads the state files of mutmut {MUTMUT}")
     env = {**os.environ, "DIAGNOSE_SHARED_TRACES": str(ROOT.parent / "shared" / "traces")}
+    link_mapped_packages()
     cmd = ["mutmut", "run", "--max-children", str(children)]
     if sample <= 0:
         subprocess.run(cmd, cwd=ROOT, env=env, check=False)
@@ -60,6 +61,24 @@ def run(children: int, sample: int, seed: int) -> None:
     chosen = sorted(random.Random(seed).sample(names, min(sample, len(names))))
     SAMPLE_FILE.write_text(json.dumps({"seed": seed, "of": len(names), "mutants": chosen, "tested": _head()}))
     subprocess.run(cmd + chosen, cwd=ROOT, env=env, check=False)
+
+
+def link_mapped_packages() -> None:
+    """mutmut copies diagnose/ into mutants/ and the tests import it from there, but diagnose.probes,
+    .reports and .examples live in other folders (pyproject's package-dir): without these links the
+    first import of the probes fails and every mutant is "not run". Links, not copies: those
+    folders are not mutated."""
+    import tomllib
+
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in dirs.items():
+        parts = name.split(".")
+        if len(parts) < 2 or parts[0] != "diagnose":
+            continue
+        link = ROOT / "mutants" / Path(*parts)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(ROOT / folder, target_is_directory=True)
 
 
 def _head() -> str:

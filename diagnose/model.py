@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.7"
+SCHEMA_VERSION = "1.8"
 
 FindingId = Literal[
     "dataloader_starvation",
@@ -21,6 +21,7 @@ FindingId = Literal[
     "checkpoint_io",
     "host_sync",
     "grad_sync",
+    "reduce_dtype",
     "fail_slow",
 ]
 Severity = Literal["high", "medium", "low"]
@@ -42,6 +43,7 @@ CHECK_ORDER: tuple[str, ...] = (
     "host_sync",
     # configuration mistakes behind the causes above
     "grad_sync",
+    "reduce_dtype",
     # over the whole run, from the every-step record: when it got slow, where, and what moved
     "fail_slow",
 )

@@ -106,6 +106,11 @@ class Thresholds:
     """Flag gradients all-reduced on every micro-batch from 5% of the step: the cost is pure waste
     removed by one context manager, like a blocking input copy (the same 5% floor as input)."""
 
+    reduce_dtype: float = 0.05
+    """Flag gradients reduced in fp32 under bf16/fp16 compute from 5% of the step: one line (a comm
+    hook, FSDP's reduce_dtype) removes it, as with grad_sync; but it trades some precision of the
+    sum, so not below the input-stall floor."""
+
     host_sync: float = 0.05
     """Flag host-device synchronisation when the device idle it causes reaches 5% of the
     step: a blocking sync stalls the device queue exactly like a blocking host-to-device

@@ -22,6 +22,8 @@ The edits, one per cause:
   not the finding's figure: a job whose every all-reduce is equally slow would get nothing from
   it, and `diagnose scale` would book its communication as compute inflation;
 - host_sync: sync drains removed; launch_overhead: host-launch gaps halved;
+- reduce_dtype: each bandwidth-bound fp32 gradient reduction's transfer halved (half the bytes in
+  bf16); given only where the check flags it (on an fp32 model it is no cause);
 - input_stall: blocking input copies removed (the idle model's input class).
 An edit that changes no weight on this run (CPU traces have no device idle classes, so the
 GPU-only edits change nothing there) is not modelled: the check's own figure stands.
@@ -66,6 +68,10 @@ def _comm_best(g, w, tr, ranks):
     return w, np.minimum(tr, sg.best_transfers(g))
 
 
+def _reduce_bf16(g, w, tr, ranks):
+    return w, sg.halved_fp32_reductions(g, tr)
+
+
 EDITS: dict[str, Edit] = {
     "dataloader_starvation": _parts({"dataloader": 1.0}),
     "input_stall": _parts({"idle_input": 1.0}),
@@ -73,7 +79,10 @@ EDITS: dict[str, Edit] = {
     "straggler": _straggler,
     "launch_overhead": _parts({"idle_launch": 0.5}),
     "host_sync": _parts({"idle_sync": 1.0}),
+    "reduce_dtype": _reduce_bf16,
 }
+# causes whose edit applies only where their check finds them: no cost of their own otherwise
+ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype"})
 # what-ifs given as metrics only
 EXTRA_EDITS: dict[str, Edit] = {"best_transfer": _comm_best}
 EDIT_TEXT = {
@@ -83,6 +92,7 @@ EDIT_TEXT = {
     "straggler": "the named rank(s)' work between collectives brought to the median rank's",
     "launch_overhead": "host-launch gaps halved",
     "host_sync": "every synchronising drain removed",
+    "reduce_dtype": "each bandwidth-bound fp32 gradient reduction's transfer halved (bf16 on the wire)",
 }
 # the critical-path parts each finding owns
 CRITICAL_PARTS: dict[str, tuple[str, ...]] = {
@@ -192,7 +202,8 @@ def annotate(findings: tuple[Finding, ...], m: StepModel, th: Thresholds,
         if ms is not None and m.trusted:
             f = _replayed(f, ms, base.mean_step_ms, th)
         out.append(f)
-    every = {c: (straggler_ranks if c == "straggler" else ()) for c in EDITS}
+    every = {c: (straggler_ranks if c == "straggler" else ()) for c in EDITS
+             if c not in ONLY_WHEN_FLAGGED or c in flagged}
     by_cause = {c: m.saving(c, r) for c, r in every.items()}
     summary = {
         "measured_step_ms": round(float(np.mean(list(sg.measured_step_ms(g).values()))), 3)

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import Dataset
 
 
-def parse_args(doc: str, steps: int = 12, batch_size: int = 16) -> argparse.Namespace:
+def parse_args(doc: str, steps: int = 12, batch_size: int = 16, extra=None) -> argparse.Namespace:
+    """extra(parser): a script's own flags, added to the shared ones."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=batch_size, help="micro-batch per rank")
@@ -27,6 +28,8 @@ def parse_args(doc: str, steps: int = 12, batch_size: int = 16) -> argparse.Name
     p.add_argument("--callback", metavar="DIR", default=None,
                    help="start the probes with the framework's callback, writing to DIR (no `diagnose run`)")
     p.add_argument("--schedule", default="2,2,5", help="the callback's profiler schedule")
+    if extra is not None:
+        extra(p)
     return p.parse_args()
 
 

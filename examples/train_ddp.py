@@ -15,6 +15,8 @@ Presets (--pathology; explicit flags below override them):
                 own DataLoader is slow (0.4 ms per sample, about 100 ms per step)
   accum-no-sync gradient accumulation over 4 micro-batches that all-reduces on every one of them
                 (the loop forgets DDP's no_sync()); `--grad-accum 4` alone is the right way
+  fp32-reduce   a wide model computed under bf16 autocast whose gradients DDP all-reduces in fp32
+                (its default); `--comm-hook bf16` on the same model is the fix
 
 Pathology flags (all off by default: a healthy run):
   --slow-getitem-ms MS      each Dataset.__getitem__ sleeps (dataloader starvation with --num-workers 0)
@@ -24,6 +26,9 @@ Pathology flags (all off by default: a healthy run):
   --bucket-cap-mb tiny      many small all-reduces
   --grad-accum N            N micro-batches per optimizer step, the first N-1 under DDP's no_sync()
   --sync-every-micro-batch  ... without no_sync(): gradients all-reduced after every micro-batch
+  --autocast bf16           forward under torch.autocast(dtype=bfloat16): bf16 compute, fp32 parameters
+  --comm-hook bf16          a bf16 compression hook: gradients travel as bf16 (half the bytes)
+  --embedding-rows N        a hashed lookup table of N rows first: many parameters, little compute
   --trace-dir DIR           record torch.profiler traces there (as a user would, without the probes)
 
 A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --slow-rank R (-1: all):
@@ -83,10 +88,17 @@ PRESETS: dict[str, dict] = {
     # all-reduces per step (58 ms of exposed communication together here) cost far more than noise
     "accum-no-sync": {"grad_accum": 4, "sync_every_micro_batch": True, "batch_size": 64, "layers": 4,
                       "hidden": 1024, "repeat": 1},
+    # 12.8M parameters in a hashed lookup table (51 MB of fp32 gradients per step) ahead of a narrow
+    # bf16 MLP: the all-reduce, not the compute, sets the step, so halving its bytes is worth far
+    # more than noise. (A CPU without bf16 units runs bf16 matmuls ~100x slower than fp32, so a
+    # wide bf16 MLP would bury the communication on this machine.)
+    "fp32-reduce": {"autocast": "bf16", "embedding_rows": 200_000, "hidden": 64, "layers": 3, "repeat": 1,
+                    "batch_size": 64},
 }
 DEFAULTS = {"steps": 12, "batch_size": 256, "dim": 256, "hidden": 512, "layers": 3, "repeat": 8, "num_workers": 0,
             "slow_getitem_ms": 0.0, "slow_getitem_rank": -1, "straggler_rank": -1, "straggler_ms": 50.0, "bucket_cap_mb": 25.0,
-            "grad_accum": 1, "sync_every_micro_batch": False}
+            "grad_accum": 1, "sync_every_micro_batch": False, "autocast": "none", "comm_hook": "none",
+            "embedding_rows": 0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (no_sync() on all but the last)")
     p.add_argument("--sync-every-micro-batch", action="store_true", default=None,
                    help="with --grad-accum: all-reduce after every micro-batch (no no_sync(): the mistake)")
+    p.add_argument("--autocast", choices=("none", "bf16"), help="compute the forward under bf16 autocast")
+    p.add_argument("--comm-hook", choices=("none", "bf16"), help="DDP gradient compression hook")
+    p.add_argument("--embedding-rows", type=int, help="a hashed lookup table of this many rows first (0: none)")
     p.add_argument("--trace-dir", default=None, help="record torch.profiler traces here")
     p.add_argument("--profile-wait", type=int, default=2)
     p.add_argument("--profile-warmup", type=int, default=2)
@@ -150,8 +165,37 @@ class SharedBlock(nn.Module):
         return x
 
 
+class HashedEmbedding(nn.Module):
+    """Feature hashing into a lookup table (as recommendation models do): many parameters, little
+    compute. Each input feature picks a row; the rows are summed per sample."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.table = nn.EmbeddingBag(rows, width, mode="sum")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = (x * 7919.0).long().abs() % self.rows  # deterministic in the data, spread over the table
+        return self.table(idx)
+
+
+def bf16_gloo_hook(group, bucket):
+    """Gradients all-reduced as bf16 and cast back: DDP's own default_hooks.bf16_compress_hook does
+    the same but refuses gloo (it asks for NCCL 2.10+), and so does any hook of that name."""
+    buf = bucket.buffer()
+    small = buf.to(torch.bfloat16).div_(dist.get_world_size(group))
+    fut = dist.all_reduce(small, group=group, async_op=True).get_future()
+
+    def back(f):
+        buf.copy_(f.value()[0])
+        return buf
+    return fut.then(back)
+
+
 def build_model(args: argparse.Namespace) -> nn.Module:
-    layers: list[nn.Module] = [nn.Linear(args.dim, args.hidden), nn.ReLU()]
+    first: list[nn.Module] = ([HashedEmbedding(args.embedding_rows, args.hidden)] if args.embedding_rows
+                              else [nn.Linear(args.dim, args.hidden)])
+    layers: list[nn.Module] = [*first, nn.ReLU()]
     for _ in range(args.layers - 1):
         layers.append(SharedBlock(args.hidden, args.repeat))
     layers.append(nn.Linear(args.hidden, 1))
@@ -203,6 +247,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     model = build_model(args).to(device)
     if distributed and not args.no_ddp:
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+        if args.comm_hook == "bf16":
+            model.register_comm_hook(None, bf16_gloo_hook)  # DDP refuses gloo for a hook named bf16_compress_hook
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     n = args.batch_size * args.grad_accum * (args.steps + 2)
     dataset = SyntheticDataset(n, args.dim, args.slow_getitem_ms if args.slow_getitem_rank in (-1, rank) else 0.0)
@@ -256,8 +302,12 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
             # no_sync() skips the gradient all-reduce of every micro-batch but the last
             skip = (micro < args.grad_accum - 1 and not args.sync_every_micro_batch
                     and isinstance(model, nn.parallel.DistributedDataParallel))
+            cast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast == "bf16"
+                    else contextlib.nullcontext())
             with model.no_sync() if skip else contextlib.nullcontext():
-                loss = loss_fn(model(x), y) / args.grad_accum
+                with cast:
+                    out = model(x)
+                loss = loss_fn(out.float(), y) / args.grad_accum
                 if args.device_ms:
                     time.sleep(args.device_ms / 1000.0)
                 if rank == args.straggler_rank:

@@ -92,7 +92,7 @@ def _diagnosis(path: str, mutant: str, overrides: tuple[tuple[str, float], ...] 
 
 
 FLOORS = ("input_bound", "input_stall", "communication", "straggler", "launch_overhead", "cpu_op_overhead",
-          "pipeline_bubble", "checkpoint", "host_sync", "device_wait", "grad_sync", "healthy_floor_ms")
+          "pipeline_bubble", "checkpoint", "host_sync", "device_wait", "grad_sync", "reduce_dtype", "healthy_floor_ms")
 """Every floor a time check flags from: all at zero, every check that can measure its cause flags."""
 
 

@@ -72,6 +72,24 @@ def test_accumulation_without_no_sync_is_named(tmp_path):
     assert len(counts) == 1 and counts.pop() % 4 == 0, steps[1]
 
 
+def test_fp32_gradient_reduction_under_bf16_compute_on_gloo_is_named_not_advised(tmp_path):
+    """The same bf16-autocast model, its 51 MB of gradients all-reduced in fp32 (DDP's default) and
+    then through a bf16 compression hook (the probes wrap the user's hook; the job still runs).
+    reduce_dtype names the mismatch in the first and, on gloo, does not advise the hook: on this
+    machine the hook's job measured slower (tests/fixtures/cpu_reduce_fp32_2rank/README.md). The
+    second reduces in bf16."""
+    res = diagnose_run(tmp_path / "fp32", "--pathology", "fp32-reduce", "--steps", "9")
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = verdict(tmp_path / "fp32")
+    c = next(c for c in d["checks"] if c["id"] == "reduce_dtype")
+    assert c["status"] == "passed" and "reduced in fp32" in c["reason"] and "gloo" in c["reason"], c
+    assert not any(f["id"] == "reduce_dtype" for f in d["findings"])
+    res = diagnose_run(tmp_path / "bf16", "--pathology", "fp32-reduce", "--comm-hook", "bf16", "--steps", "9")
+    assert res.returncode == 0, res.stderr[-3000:]
+    c = next(c for c in verdict(tmp_path / "bf16")["checks"] if c["id"] == "reduce_dtype")
+    assert c["status"] == "passed" and "reduced in bf16" in c["reason"], c
+
+
 def test_healthy_run_flags_nothing(tmp_path):
     # On this two-core VM the two cores are not equal: a spin loop pinned to each ran 25.7M and
     # 21.5M iterations side by side (and 25.9M / 38.3M alone) on 2026-12-01, so one rank of a

@@ -32,7 +32,8 @@ SETS = ["kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/
         "edge_hta_cpu_only_gloo_rank34of300", "edge_hta_no_distributedinfo"]
 RECORDED = ["cpu_straggler_2rank", "cpu_straggler_dataloader_2rank", "cpu_checkpoint_2rank", "cpu_pipeline_2rank",
             "cpu_pipelining_2rank", "cpu_lightning_straggler_2rank", "cpu_fsdp2_straggler_2rank",
-            "cpu_accum_nosync_2rank", "cpu_accum_2rank", "cpu_interleaved_2rank"]
+            "cpu_accum_nosync_2rank", "cpu_accum_2rank", "cpu_interleaved_2rank", "cpu_reduce_fp32_2rank",
+            "cpu_reduce_bf16_2rank"]
 
 
 def _round(x):

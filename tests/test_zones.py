@@ -22,12 +22,13 @@ NEW = ("device_memory", "pipeline_bubble", "checkpoint_io", "host_sync")
 
 
 def test_new_checks_follow_the_classic_four():
-    assert CHECK_ORDER[-6:-2] == NEW
+    assert CHECK_ORDER[-7:-3] == NEW
     names = [e.name for e in CHECKLIST]
     assert names[:4] == ["dataloader", "communication", "straggler", "launch_overhead"]
     assert names[4] == "device_wait"  # launch_overhead's complement: queued device idle
-    assert names[5:-2] == list(NEW)
-    assert names[-2] == CHECK_ORDER[-2] == "grad_sync"  # then configuration mistakes
+    assert names[5:-3] == list(NEW)
+    # then configuration mistakes
+    assert names[-3:-1] == list(CHECK_ORDER[-3:-1]) == ["grad_sync", "reduce_dtype"]
     assert names[-1] == CHECK_ORDER[-1] == "fail_slow"  # and last, the whole run over time
 
 

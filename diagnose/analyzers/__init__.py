@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from diagnose.analyzers import (checkpoint, communication, dataloader, device_wait, fail_slow, grad_sync, host_sync,
-                                launch, memory, pipeline_bubbles, straggler)
+                                launch, memory, pipeline_bubbles, reduce_dtype, straggler)
 from diagnose.context import Context
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import ReduceFailed
@@ -48,8 +48,10 @@ CHECKLIST: tuple[Entry, ...] = (
     Entry("pipeline_bubble", pipeline_bubbles.analyze, pipeline_bubbles.reduce),
     Entry("checkpoint_io", checkpoint.analyze, checkpoint.reduce),
     Entry("host_sync", host_sync.analyze, host_sync.reduce, uses_idle=True),
-    # configuration mistakes behind the causes above: gradients reduced on every micro-batch
+    # configuration mistakes behind the causes above: gradients reduced on every micro-batch, and
+    # in fp32 under bf16 compute
     Entry("grad_sync", grad_sync.analyze, grad_sync.reduce),
+    Entry("reduce_dtype", reduce_dtype.analyze, reduce_dtype.reduce),
     # over the whole run (the probes' every-step record, no trace needed): when the job got slow
     Entry("fail_slow", fail_slow.analyze),
 )

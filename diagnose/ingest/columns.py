@@ -62,10 +62,15 @@ COMM_KERNEL = re.compile(
     r"nccl|rccl|cross_device_reduce|multimem_all_reduce|one_shot_all_reduce|two_shot_all_reduce",
     re.IGNORECASE,
 )
-# Args kept for the few events that describe a collective.
+# Args kept for the few events that describe a collective, and for the matrix ops whose input
+# types say in which precision the model computes (analyzers/reduce_dtype.py): the innermost ops
+# that carry a matmul or convolution, so nested ones (aten::linear around aten::addmm) are not
+# counted twice.
 COMM_ARG_KEYS = ("Collective name", "In msg nelems", "Out msg nelems", "dtype", "Process Group Name",
                  "Group size", "Input Dims", "Input type")
-NEEDS_ARGS = re.compile(r"^(record_param_comms|c10d::|gloo:|nccl:)")
+MATRIX_OPS = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|_convolution|convolution_backward|_scaled_mm"
+                        r"|_scaled_dot_product_\w+_attention|_flash_attention_forward|_efficient_attention_forward)$")
+NEEDS_ARGS = re.compile(r"^(record_param_comms|c10d::|gloo:|nccl:)|" + MATRIX_OPS.pattern[1:])
 COLUMNS = ("name", "kind", "ts", "dur", "tid", "pid", "corr", "ext")
 _MAX_STR = 200
 _I64 = (-(2**63), 2**63 - 1)
@@ -354,7 +359,7 @@ class EventTable:
             self.thread_names[clean_str(f"{pid}:{tid}"[:_MAX_STR])] = clean_str(a["name"][:_MAX_STR])
 
     def frame(self) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """(events, comm_args): the events table and the args of collective-describing events."""
+        """(events, comm_args): the events table and the args kept (collectives, matrix ops)."""
         parts = self._parts
         def col(key: str) -> np.ndarray:
             if parts:

@@ -63,7 +63,8 @@ class RankTrace:
     """Top-level keys other than traceEvents (distributedInfo, deviceProperties, ...)."""
     events: pd.DataFrame
     comm_args: pd.DataFrame
-    """Args of collective-describing events, indexed like `events`."""
+    """Args of collective-describing events (and the input types of matrix ops: columns.MATRIX_OPS),
+    indexed like `events`."""
     thread_names: dict[str, str]
     flows: int = 0
     """Flow events ('s'/'f'): their absence in a GPU trace suggests sampled or filtered events."""

@@ -46,6 +46,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import ReduceFailed, Run
+from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.idle import CLASSES, IdleModel
 from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
 
@@ -91,7 +92,8 @@ class StepGraph:
     end the lane went on), so shrinking the transfer moves it too."""
     n_groups: int
     group_key: pd.DataFrame
-    """One row per collective instance: step, pg, seq."""
+    """One row per collective instance: step, pg, seq, and what it moved: name, dtype, bytes (the
+    largest over its ranks; NaN when not recorded)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -134,10 +136,13 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             off = run.clock_offsets_us.get(r, 0.0)
             coll.append(c.assign(rank=r, arrival=c["arrival"] + off, end=c["end"] + off))
     allc = pd.concat(coll, ignore_index=True) if coll else pd.DataFrame(
-        columns=["step", "pg", "seq", "rank", "arrival", "end"])
+        columns=["step", "pg", "seq", "rank", "arrival", "end", "name", "dtype", "bytes"])
     allc = allc[allc["step"] >= 0].reset_index(drop=True)
     keys = allc[["step", "pg", "seq"]].drop_duplicates().reset_index(drop=True)
     allc = allc.merge(keys.reset_index().rename(columns={"index": "group"}), on=["step", "pg", "seq"])
+    # what each instance moved, for edits that depend on it (reductions in fp32: whatif.py)
+    what = allc.groupby("group").agg(name=("name", "first"), dtype=("dtype", "first"), bytes=("bytes", "max"))
+    keys = keys.join(what)
     latest = allc.groupby("group")["arrival"].transform("max").to_numpy(dtype=float)
     c_end = np.maximum(allc["end"].to_numpy(dtype=float), latest)  # never before the last arrival
     c_rank = allc["rank"].to_numpy()
@@ -404,6 +409,20 @@ def best_transfers(g: StepGraph) -> np.ndarray:
                           "tr": tr[ce]})
     tr[ce] = frame.groupby(["rank", "pg", "seq"])["tr"].transform("min").to_numpy()
     return tr
+
+
+def halved_fp32_reductions(g: StepGraph, tr: np.ndarray) -> np.ndarray:
+    """Transfers with each bandwidth-bound fp32 all-reduce or reduce-scatter halved: the same
+    gradients in bf16 move half the bytes (latency-bound ones, under SMALL_MESSAGE_BYTES, keep theirs)."""
+    key = g.group_key
+    halve = ((key["dtype"] == "fp32").to_numpy() & (key["bytes"].to_numpy(dtype=float) >= SMALL_MESSAGE_BYTES)
+             & np.array([collective_kind(str(n)) in ("all_reduce", "reduce_scatter") for n in key["name"]],
+                        dtype=bool))
+    out = tr.copy()
+    ce = np.flatnonzero(g.kind == COLL_END)
+    sel = ce[halve[g.group[ce]]]
+    out[sel] *= 0.5
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,8 +58,40 @@ _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, 
                 "char": 1, "byte": 1, "short": 2, "int16": 2, "bool": 1, "c10::half": 2,
                 "c10::bfloat16": 2, "unsigned char": 1, "signed char": 1}
 
+# element types as the trace spells them (record_param_comms' dtype, an op's Input type, an NCCL
+# kernel's name) -> one short name; "" when not recorded
+_PRECISION = {"float": "fp32", "float32": "fp32", "f32": "fp32", "double": "fp64", "float64": "fp64",
+              "f64": "fp64", "half": "fp16", "float16": "fp16", "f16": "fp16", "c10::half": "fp16",
+              "bfloat16": "bf16", "c10::bfloat16": "bf16", "bf16": "bf16", "float8_e4m3fn": "fp8",
+              "float8_e5m2": "fp8", "c10::float8_e4m3fn": "fp8", "c10::float8_e5m2": "fp8"}
+# the element type in an NCCL kernel's name: ncclKernel_AllReduce_RING_LL_Sum_float,
+# ncclDevKernel_AllReduce_Sum_bf16_RING_LL
+_KERNEL_DTYPE = re.compile(r"_(float|half|bf16|f16|f32|f64|double|bfloat16)(?:_|\(|$)", re.IGNORECASE)
+LOW_PRECISION = frozenset({"bf16", "fp16", "fp8"})
+
+
+def precision(t: object) -> str:
+    """fp32, bf16, fp16, fp8, fp64, an integer type's own name, or "" (not recorded)."""
+    if not isinstance(t, str) or not t:
+        return ""
+    return _PRECISION.get(t.lower(), t.lower().removeprefix("c10::"))
+
+
+def _dtype_of(args: dict, name: str) -> str:
+    """A collective's element type: record_param_comms' dtype, the op's first Input type (gloo),
+    or the NCCL kernel's name."""
+    d = args.get("dtype")
+    if isinstance(d, str) and d:
+        return precision(d)
+    types = args.get("Input type")
+    if isinstance(types, list) and types and isinstance(types[0], str) and types[0]:
+        return precision(types[0])
+    m = _KERNEL_DTYPE.search(name)
+    return precision(m.group(1)) if m else ""
+
+
 STEP_COLUMNS = ("step", "start", "end")
-COLLECTIVE_COLUMNS = ("step", "pg", "seq", "name", "arrival", "end", "bytes", "row")
+COLLECTIVE_COLUMNS = ("step", "pg", "seq", "name", "arrival", "end", "bytes", "dtype", "row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +213,7 @@ def _collectives(trace: RankTrace, is_gpu: bool, steps: pd.DataFrame, comm_tids:
             if "In msg nelems" not in a and ext in by_ext:
                 a = {**by_ext[ext], **a}
             meta.append(a)
+        full = sel["name"].astype(str).to_numpy()
         names = sel["name"].astype(str).str.replace(r"\(.*$", "", regex=True).to_numpy()
         ends = (sel["ts"] + sel["dur"]).to_numpy()
         rows = sel.index.to_numpy()
@@ -197,13 +230,15 @@ def _collectives(trace: RankTrace, is_gpu: bool, steps: pd.DataFrame, comm_tids:
             arrival = np.minimum(arrival, enq["ts"].to_numpy())
         meta = [args.loc[row].dropna().to_dict() if row in args.index else {} for row in sel.index]
         names = sel["name"].astype(str).to_numpy()
+        full = names
         ends = (sel["ts"] + sel["dur"]).to_numpy()
         rows = sel.index.to_numpy()
     pg = np.array([str(m.get("Process Group Name", "default")) for m in meta], dtype=object)
     nbytes = np.array([_bytes_of(m) for m in meta], dtype=np.float64)
+    dtype = np.array([_dtype_of(m, n) for m, n in zip(meta, full)], dtype=object)
     step = _assign_steps(arrival, steps)
     df = pd.DataFrame({"step": step, "pg": pg, "name": names, "arrival": arrival, "end": ends,
-                       "bytes": nbytes, "row": rows})
+                       "bytes": nbytes, "dtype": dtype, "row": rows})
     df["seq"] = df.groupby(["step", "pg"]).cumcount()
     return df[list(COLLECTIVE_COLUMNS)]
 
