@@ -126,6 +126,8 @@ EQUIVALENT = {
     # code. Mutant names follow the code: a name whose line no longer matches is reported as a gap.
     "diagnose.analyzers.x_reduce_rank__mutmut_15": (
         "idle_gaps=gaps", "the reducer builds the same idle model itself when not handed one (slower only)"),
+    "diagnose.analyzers.x_reduce_rank__mutmut_12": (
+        "idle_gaps=gaps", "idle_gaps=None: the reducer builds the same idle model itself (slower only)"),
     "diagnose.analyzers.checkpoint.x_reduce__mutmut_11": (
         "TraceMarks(count=0", "count None or 0: the one reader tests its truth only"),
     "diagnose.analyzers.straggler.x_analyze__mutmut_14": (

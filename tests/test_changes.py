@@ -132,3 +132,46 @@ def test_the_whole_run_chart_is_the_raw_steps_bucketed():
     slowest = max((0, 1), key=lambda r: statistics.median(raw[r].values()))
     assert list(over_time(probes, max_ranks=1).ranks) == [slowest]
     assert over_time({}) is None
+
+
+def _fail_slow_check(probes):
+    from diagnose.context import build_context
+    from tests.conftest import fixture_run
+
+    run = fixture_run(Path(__file__).parent / "fixtures" / "cpu_checkpoint_2rank")  # any real 2-rank trace set
+    (c,) = fail_slow.analyze(build_context(run, probes), DEFAULT)
+    return c
+
+
+def test_the_fail_slow_finding_says_when_where_and_how_sure():
+    """The finding's words, against the raw record: its title names the step and the two levels,
+    the host comes from the sidecars, the confidence follows the steps on either side of the
+    change, the method names how the change was found."""
+    probes = load_probe_data([FIX / "rank"])
+    c = _fail_slow_check(probes)
+    f = c.finding
+    (e,) = events("rank")
+    assert f.title == (f"Fail-slow: the job got slower from step {e.step} ({fail_slow.when(e.wall_s)}), "
+                       f"{e.step_before_ms:.1f} -> {e.step_after_ms:.1f} ms per step")
+    hosts = {json.loads((FIX / "rank" / f"rank{r}.probe.json").read_text())["meta"]["host"] for r in e.ranks}
+    assert f.metrics["hosts"] == ", ".join(sorted(hosts))
+    steps = [s["step"] for s in raw_steps("rank", 0)]
+    room = min(e.step - min(steps), max(steps) - e.step + 1)
+    assert f.confidence == ("high" if room >= 3 * DEFAULT.fail_slow_min_segment else "medium")
+    assert "binary segmentation" in f.method and "median over ranks" in f.method
+    # one rank leads it: not shared infrastructure
+    assert e.place == "rank 1" and "shared infrastructure" not in fail_slow.describe(e)
+    assert c.reason == fail_slow.describe(e)
+
+
+def test_fail_slow_needs_the_minimum_steps_on_either_side():
+    """Exactly twice the minimum segment of recorded steps is enough to judge; one fewer is not."""
+    import dataclasses
+
+    probes = load_probe_data([FIX / "steady"])
+    need = 2 * DEFAULT.fail_slow_min_segment
+    cut = {r: dataclasses.replace(p, steps=p.steps.iloc[:need]) for r, p in probes.items()}
+    assert _fail_slow_check(cut).status == "passed"
+    cut = {r: dataclasses.replace(p, steps=p.steps.iloc[:need - 1]) for r, p in probes.items()}
+    c = _fail_slow_check(cut)
+    assert c.status == "not_measurable" and f"{need - 1} steps recorded" in c.reason

@@ -118,3 +118,17 @@ def test_accumulation_is_judged_by_the_majority_of_its_steps():
 
     assert [judged(6, k) for k in (2, 3, 4)] == ["passed", "passed", "flagged"]
     assert [judged(5, k) for k in (2, 3)] == ["passed", "flagged"]
+
+
+def test_checkpoint_with_probes_and_no_save_passes_and_says_so():
+    """A run the probes watched that wrote no checkpoint (tests/fixtures/light_failslow/steady: 299
+    recorded steps, no torch.save): passed, naming how many steps were watched, not 'not measurable'."""
+    from diagnose.analyzers import checkpoint
+    from diagnose.probedata import load_probe_data
+
+    probes = load_probe_data([FIXTURES / "light_failslow" / "steady"])
+    n = max(len(p.steps) for p in probes.values())
+    (c,) = checkpoint.analyze(build_context(fixture_run(FIXTURES / "cpu_straggler_2rank"), probes), DEFAULT)
+    assert (c.id, c.status) == ("checkpoint_io", "passed")
+    assert c.reason == (f"no checkpoint written during the {n} probed steps (torch.save, "
+                        "torch.distributed.checkpoint)")
