@@ -6,8 +6,9 @@ twice the bytes the compute needs. A bf16 compression hook (DDP) or `reduce_dtyp
 (FSDP) halves them.
 
 Measured from the trace alone: the compute's precision is the share of matrix-op time whose
-first input is bf16/fp16/fp8 (the ops' recorded input types, ingest/columns.MATRIX_OPS; without
-them, on GPU, the gemm and convolution kernels' names); the gradient reductions are the
+first input is bf16/fp16/fp8 (the ops' recorded input types, ingest/columns.MATRIX_OPS; on GPU
+that is the ops' host time, a proxy for their kernels of the same types; without input types,
+the gemm and convolution kernels' time by the precision their names spell); the gradient reductions are the
 all-reduces and reduce-scatters in the profiled steps, with their element type (step/timeline.py)
 and bytes. Flagged when the compute is mostly low precision and most reduced bytes are fp32.
 What it costs: a bandwidth-bound transfer (from SMALL_MESSAGE_BYTES up) takes about half the time
