@@ -35,8 +35,9 @@ from diagnose.ingest.columns import KIND_CPU_OP, KIND_KERNEL, MATRIX_OPS
 from diagnose.ingest.load import RankTrace
 from diagnose.model import Check, Finding
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
-from diagnose.step.intervals import covered, subtract, union
-from diagnose.step.timeline import LOW_PRECISION, RankTimeline, _names_matching, precision
+from diagnose.step.graph import large_fp32_reductions
+from diagnose.step.intervals import covered, intersect, subtract, union
+from diagnose.step.timeline import LOW_PRECISION, RankTimeline, _assign_steps, _names_matching, precision
 from diagnose.thresholds import Thresholds
 
 ID = "reduce_dtype"
@@ -80,9 +81,7 @@ class Precision:
 
 
 def _in_steps(ts: np.ndarray, tl: RankTimeline) -> np.ndarray:
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-    i = np.searchsorted(lo, ts, side="right") - 1
-    return (i >= 0) & (ts < hi[np.clip(i, 0, None)])
+    return _assign_steps(ts, tl.steps) >= 0
 
 
 def _matrix_time(trace: RankTrace, tl: RankTimeline) -> tuple[dict[str, float], str, int | None]:
@@ -127,11 +126,10 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> Precision:
         e = reduced.setdefault(p, [0, 0.0])
         e[0] += 1
         e[1] += 0.0 if np.isnan(b) else float(b)
-    big = red[(red["dtype"] == "fp32").to_numpy() & (red["bytes"].to_numpy(dtype=float) >= SMALL_MESSAGE_BYTES)]
-    exposed = subtract(tl.comm, tl.compute)
+    big = red[large_fp32_reductions(red)]  # the ones the replay halves
     spans = union(big["arrival"].to_numpy(dtype=float), big["end"].to_numpy(dtype=float))
+    during = intersect(subtract(tl.comm, tl.compute), spans)  # exposed time inside those reductions
     lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-    during = subtract(exposed, subtract(union(lo, hi), spans))  # exposed time inside those reductions
     ms = float(np.mean(covered(during, lo, hi))) / 1000
     return Precision(matrix_us=tuple(sorted(matrix.items())), source=source,
                      reduced=tuple((p, int(n), float(b)) for p, (n, b) in sorted(reduced.items())),

@@ -411,13 +411,18 @@ def best_transfers(g: StepGraph) -> np.ndarray:
     return tr
 
 
+def large_fp32_reductions(c: pd.DataFrame) -> np.ndarray:
+    """Which collectives (rows with name, dtype, bytes) are bandwidth-bound fp32 gradient
+    reductions: all-reduces and reduce-scatters of fp32 from SMALL_MESSAGE_BYTES up."""
+    return ((c["dtype"] == "fp32").to_numpy() & (c["bytes"].to_numpy(dtype=float) >= SMALL_MESSAGE_BYTES)
+            & np.array([collective_kind(str(n)) in ("all_reduce", "reduce_scatter") for n in c["name"]],
+                       dtype=bool))
+
+
 def halved_fp32_reductions(g: StepGraph, tr: np.ndarray) -> np.ndarray:
     """Transfers with each bandwidth-bound fp32 all-reduce or reduce-scatter halved: the same
     gradients in bf16 move half the bytes (latency-bound ones, under SMALL_MESSAGE_BYTES, keep theirs)."""
-    key = g.group_key
-    halve = ((key["dtype"] == "fp32").to_numpy() & (key["bytes"].to_numpy(dtype=float) >= SMALL_MESSAGE_BYTES)
-             & np.array([collective_kind(str(n)) in ("all_reduce", "reduce_scatter") for n in key["name"]],
-                        dtype=bool))
+    halve = large_fp32_reductions(g.group_key)
     out = tr.copy()
     ce = np.flatnonzero(g.kind == COLL_END)
     sel = ce[halve[g.group[ce]]]
