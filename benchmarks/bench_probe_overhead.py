@@ -71,6 +71,21 @@ def probe_cost_per_step_us(n: int = 5000) -> float:
     return cost
 
 
+def telemetry_cost_us(n: int = 2000) -> float:
+    """One telemetry sample (probes/telemetry.py: /proc reads, NVML where present), on its own thread
+    in a job: its share of the job's time is this over the sampling interval, whatever the step."""
+    import time
+
+    from diagnose.probes.telemetry import Sampler
+
+    s = Sampler(write=lambda line: None, current_step=lambda: 0, on_error=lambda exc: None)
+    s.sample()
+    t = time.perf_counter()
+    for _ in range(n):
+        s.sample()
+    return (time.perf_counter() - t) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -95,6 +110,11 @@ def main() -> None:
     cost = probe_cost_per_step_us()
     bare_ms = statistics.median(b for b in [median_of(bare, 3, a.steps)])
     print(f"\nin-process probe work per step: {cost:.1f} us = {cost / 1000 / bare_ms:.4%} of a {bare_ms:.1f} ms step")
+    from diagnose.probes.telemetry import INTERVAL_S
+
+    tel = telemetry_cost_us()
+    print(f"telemetry: {tel:.1f} us per sample, one per {INTERVAL_S:.0f} s = {tel / 1e6 / INTERVAL_S:.4%} of the time "
+          "(off the training thread)")
     print("\nstep-time ratio, probed / bare (median of pairs)")
     print(f"  light mode (no profiler):         x{statistics.median(light):.3f}")
     print(f"  outside profiled windows:         x{statistics.median(out_r):.3f}")

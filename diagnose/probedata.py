@@ -26,8 +26,9 @@ import pandas as pd
 from diagnose.errors import one_line
 from diagnose.ingest import jsonsafe
 from diagnose.probes.safefs import UnsafePath, open_regular, read_regular
+from diagnose.probes.telemetry import SIGNALS as TELEMETRY_SIGNALS  # a missing one is NaN here, never 0
 
-_SIDE = re.compile(r"^rank(\d+)\.(probe\.json|steps\.jsonl|steps\.1\.jsonl)$")
+_SIDE = re.compile(r"^rank(\d+)\.(probe\.json|steps\.jsonl|steps\.1\.jsonl|telemetry\.jsonl)$")
 MAX_STEP_LINES = 200_000  # bound memory on very long runs: the newest steps matter most
 MAX_STEP_LINE_BYTES = 4 << 20
 """One step's record; thousands of collectives fit. A longer line is skipped, so a line without
@@ -39,6 +40,8 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_STEP = 1 << 62
 READ_BLOCK = 1 << 20
 BATCH_LINES = 4096
+MAX_TELEMETRY_LINES = 100_000
+"""Host and device samples kept per rank, the newest (2 days at the probes' one per 2 s)."""
 STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "comm_ms"]
 COLLECTIVE_COLUMNS = ["step", "seq", "name", "arrival", "dur_ms", "bytes", "group"]
 
@@ -53,6 +56,9 @@ class ProbeData:
     """step, seq, name, arrival (epoch s), dur_ms, bytes, group."""
     partial: bool = False
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    telemetry: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """wall (epoch s), step, and TELEMETRY_SIGNALS, one row per sample in time order (probes/telemetry.py);
+    empty without the file."""
 
 
 def sane_world_size(value) -> int | None:
@@ -282,6 +288,37 @@ def load_steps(files: dict[str, Path], max_lines: int = MAX_STEP_LINES) -> tuple
     return steps, colls, partial, warnings
 
 
+def load_telemetry(path: Path, max_lines: int = MAX_TELEMETRY_LINES) -> tuple[pd.DataFrame, list[str]]:
+    """A rank's telemetry samples (newest max_lines), each signal a float column (NaN: missing);
+    a bad line is skipped and counted in one warning naming the file."""
+    cols: dict[str, list[float]] = {k: [] for k in ("wall", "step", *TELEMETRY_SIGNALS)}
+    bad = 0
+    try:
+        with open_regular(path) as f:
+            size = f.seek(0, 2)
+            for i, line in enumerate(_lines_newest_first(f, size)):
+                if not line or not line.strip():
+                    continue
+                try:
+                    rec = jsonsafe.loads(line)
+                except ValueError:
+                    bad += i > 0  # the first is after the last newline: a sample cut by a killed rank
+                    continue
+                if not isinstance(rec, dict):
+                    bad += 1
+                    continue
+                for k, v in cols.items():
+                    v.append(as_number(rec.get(k)))
+                if len(cols["wall"]) >= max_lines:
+                    break
+    except (OSError, UnsafePath, ValueError) as exc:
+        return pd.DataFrame(), [f"{path.name}: {one_line(str(exc))[:120]}: telemetry ignored"]
+    frame = pd.DataFrame({k: np.asarray(v[::-1], dtype=float) for k, v in cols.items()})
+    frame = frame[np.isfinite(frame["wall"]) & np.isfinite(frame["step"])].reset_index(drop=True)
+    warnings = [f"{path.name}: {bad} unreadable line(s) skipped"] if bad else []
+    return frame, warnings
+
+
 def probe_from_rows(rank: int, meta: dict, rows: list, partial: bool = False,
                     warnings: tuple[str, ...] = ()) -> ProbeData:
     """ProbeData from parsed step records (the warm-up step 0 and malformed records are left out)."""
@@ -351,8 +388,12 @@ def load_probe_data(paths: list[str | Path]) -> dict[int, ProbeData]:
                 warnings.append(f"{exc}: sidecar ignored")
         steps, colls, partial, more = load_steps(files)
         warnings += more
+        telemetry = pd.DataFrame()
+        if "telemetry.jsonl" in files:
+            telemetry, more = load_telemetry(files["telemetry.jsonl"])
+            warnings += more
         out[rank] = ProbeData(rank=rank, meta=meta, steps=steps, collectives=colls, partial=partial,
-                              warnings=tuple(warnings))
+                              warnings=tuple(warnings), telemetry=telemetry)
     return out
 
 

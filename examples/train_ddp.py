@@ -34,6 +34,8 @@ Pathology flags (all off by default: a healthy run):
 A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --slow-rank R (-1: all):
   --slow-compute-ms MS      MS of extra compute per step (real CPU work, as a throttled device adds)
   --slow-loader-ms MS       each Dataset.__getitem__ sleeps MS more (a storage mount turning slow)
+  --cpu-hog                 a busy-looping process starts pinned to the slowed rank's core (a noisy
+                            neighbour); with --pin-cores each rank runs on its own core (rank % cores)
 
   --device-ms MS            every rank waits MS per step in its forward, as a host waits for its
                             device: on a GPU the device, not the host's busy CPU, sets the step (on a
@@ -48,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import time
 
 import torch
@@ -140,6 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-rank", type=int, default=-1, help="the rank the mid-run fault hits (-1: every rank)")
     p.add_argument("--slow-compute-ms", type=float, default=0.0, help="extra compute per step from then")
     p.add_argument("--slow-loader-ms", type=float, default=0.0, help="extra sleep per __getitem__ from then")
+    p.add_argument("--cpu-hog", action="store_true", help="from --slow-from-step a CPU hog shares the rank's core")
+    p.add_argument("--pin-cores", action="store_true", help="pin each rank to core rank %% cores")
     p.add_argument("--device-ms", type=float, default=0.0, help="every rank waits this long per step (device time)")
     p.add_argument("--spawn", type=int, default=0,
                    help="start this many ranks with torch.multiprocessing.spawn (no RANK in their environment)")
@@ -214,6 +219,21 @@ def _spawned(rank: int, argv: list[str] | None, world: int, port: int) -> None:
     main(argv, spawned=(rank, world, port))
 
 
+HOG = ("import os, sys\n"
+       "core, parent = int(sys.argv[1]), os.getppid()\n"
+       "if core >= 0: os.sched_setaffinity(0, {core})\n"
+       "while os.getppid() == parent:  # ends with the rank that started it, however that ends\n"
+       "    for _ in range(200000): pass\n")
+
+
+def _start_hog(core: int | None):
+    """A process that burns the given core (like `taskset -c CORE` on a busy loop): the rank
+    pinned there now gets about half of it. It exits when the rank does."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", HOG, str(-1 if core is None else core)])
+
+
 def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = None) -> int:
     args = parse_args(argv)
     if args.spawn and spawned is None:
@@ -238,6 +258,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     else:
         rank = 0
     local = rank if spawned is not None else int(os.environ.get("LOCAL_RANK", 0))
+    if args.pin_cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     device = torch.device(f"cuda:{local}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -282,12 +304,15 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     step_times: list[float] = []
     t_last = time.perf_counter()
     batches = iter(loader)
+    hog = None
     while step < args.steps:
         if rank == args.exit_early_rank and step >= args.exit_early_step:
             os._exit(0)  # a rank that dies mid-run, without cleanup
         if rank == args.stall_rank and step == args.stall_at_step:
             time.sleep(args.stall_s)  # a rank stuck (I/O, a hung filesystem)
         fault = 0 <= args.slow_from_step <= step and args.slow_rank in (-1, rank)
+        if fault and args.cpu_hog and hog is None:
+            hog = _start_hog(sorted(os.sched_getaffinity(0))[0] if hasattr(os, "sched_getaffinity") else None)
         if fault and args.slow_loader_ms:
             dataset.slow_s = (args.slow_getitem_ms + args.slow_loader_ms) / 1000.0  # num_workers=0: at once
         opt.zero_grad(set_to_none=True)
@@ -324,6 +349,9 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         now = time.perf_counter()
         step_times.append((now - t_last) * 1000.0)
         t_last = now
+    if hog is not None:
+        hog.kill()
+        hog.wait()
     if prof is not None:
         prof.stop()
     if args.step_log:

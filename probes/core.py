@@ -149,6 +149,7 @@ class Probe:
         self._sched_steps = 0
         self._capture = None
         self._hang = None
+        self._telemetry = None
         self.max_log_bytes = _env_mb("DIAGNOSE_PROBE_MAX_LOG_MB", 64)
         self.meta: dict = {}
         self._summary = {"steps": 0, "dataloader_ms": 0.0, "comm_ms": 0.0, "step_ms": 0.0}
@@ -265,6 +266,7 @@ class Probe:
         self.step += 1
         if self.step == 1:
             self._start_hang_watch()
+            self._start_telemetry()
             # the model and optimizer are known after the first step: a capture or an analysis
             # of a run still going reads them from here (the final sidecar adds the summary)
             self.write_sidecar()
@@ -300,6 +302,30 @@ class Probe:
             self._hang.start()
         except Exception as exc:  # noqa: BLE001
             self._fail("hang watch", exc)
+
+    def _start_telemetry(self) -> None:
+        """From the first step on: host and device signals every few seconds, on their own thread
+        (probes/telemetry.py), one line each in rank{R}.telemetry.jsonl."""
+        if not self.ok("telemetry"):
+            return
+        try:
+            from .telemetry import INTERVAL_S, Sampler
+
+            every = float(os.environ.get("DIAGNOSE_TELEMETRY_S") or INTERVAL_S)
+            d = self.directory()
+            if d is None or every <= 0:
+                return
+            f = d.open_append(f"rank{self.rank}.telemetry.jsonl", buffering=1 << 12)
+
+            def write(line: str) -> None:
+                if f.tell() < self.max_log_bytes:  # bounded: at 2 s a sample, 64 MB is months
+                    f.write(line)
+                    f.flush()
+
+            self._telemetry = (Sampler(write, lambda: self.step, lambda exc: self._fail("telemetry", exc), every), f)
+            self._telemetry[0].start()
+        except Exception as exc:  # noqa: BLE001
+            self._fail("telemetry", exc)
 
     def profiler_busy(self) -> bool:
         return self._profiler is not None
@@ -398,6 +424,11 @@ class Probe:
         hang_done = True
         if self._hang is not None:
             hang_done = self._hang.stop()
+        if self._telemetry is not None:
+            sampler, f = self._telemetry
+            if sampler.stop():
+                self._quietly("telemetry", f.close)
+            self._telemetry = None
         if self._capture is not None:
             self._quietly("capture", self._capture.close)
         if self._profiler is not None:

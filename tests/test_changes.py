@@ -159,6 +159,12 @@ def test_the_fail_slow_finding_says_when_where_and_how_sure():
     room = min(e.step - min(steps), max(steps) - e.step + 1)
     assert f.confidence == ("high" if room >= 3 * DEFAULT.fail_slow_min_segment else "medium")
     assert "binary segmentation" in f.method and "median over ranks" in f.method
+    assert f.method.endswith("(binary segmentation of each rank's step components: diagnose/step/changes.py); "
+                             "its share is of the step since the change.")
+    assert c.id == f.id == "fail_slow"
+    # the figures behind the title, each against the raw record's change
+    assert f.metrics["cause_delta_ms"] == round(e.cause_delta_ms, 3) and f.metrics["slowdowns_found"] == 1
+    assert f.metrics["steps_recorded"] == len(steps)
     # one rank leads it: not shared infrastructure
     assert e.place == "rank 1" and "shared infrastructure" not in fail_slow.describe(e)
     assert c.reason == fail_slow.describe(e)
@@ -175,3 +181,30 @@ def test_fail_slow_needs_the_minimum_steps_on_either_side():
     cut = {r: dataclasses.replace(p, steps=p.steps.iloc[:need - 1]) for r, p in probes.items()}
     c = _fail_slow_check(cut)
     assert c.status == "not_measurable" and f"{need - 1} steps recorded" in c.reason
+
+
+def test_the_fail_slow_confidence_is_high_from_three_minimum_segments_on_either_side():
+    """Confidence is high when the record holds at least 3 minimum segments on each side of the
+    change; the record cut to exactly that after the change is high, one step fewer is medium."""
+    import dataclasses
+
+    probes = load_probe_data([FIX / "rank"])
+    (e,) = events("rank")
+    need = 3 * DEFAULT.fail_slow_min_segment
+    assert e.step - min(s["step"] for s in raw_steps("rank", 0)) >= need  # room before the change
+
+    def cut(last_step):
+        return {r: dataclasses.replace(p, steps=p.steps[p.steps["step"] <= last_step]) for r, p in probes.items()}
+
+    at = _fail_slow_check(cut(e.step + need - 1)).finding  # steps e.step .. e.step + need - 1: need of them
+    assert at.metrics["change_step"] == e.step and at.confidence == "high"
+    short = _fail_slow_check(cut(e.step + need - 2)).finding
+    assert short.metrics["change_step"] == e.step and short.confidence == "medium"
+
+
+def test_a_steady_run_passes_with_its_length_and_nothing_else_said():
+    c = _fail_slow_check(load_probe_data([FIX / "steady"]))
+    n = len(raw_steps("steady", 0))
+    assert c.status == "passed" and c.reason == (
+        f"steady over {n} steps on 2 rank(s): no slowdown of {DEFAULT.fail_slow_effect:.0%} of the step or more "
+        f"lasting {DEFAULT.fail_slow_min_segment} steps")

@@ -5,9 +5,11 @@ here that no test noticed is a claim the tool could get wrong unseen."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -132,3 +134,349 @@ def test_checkpoint_with_probes_and_no_save_passes_and_says_so():
     assert (c.id, c.status) == ("checkpoint_io", "passed")
     assert c.reason == (f"no checkpoint written during the {n} probed steps (torch.save, "
                         "torch.distributed.checkpoint)")
+
+
+# ---- the decision steps, on a real run's per-rank facts with one fact changed ----------------
+# Each check decides from every rank's reduced summary (run.facts); changing one summary of a
+# real run reaches the branches no recording does (rank 0 the slowest stage, a rank without the
+# idle split, an NCCL job reducing in fp32 under bf16 compute) without a synthetic trace.
+
+def _with_facts(run, name: str, change):
+    """The run with check `name`'s per-rank summary replaced by change(rank, summary)."""
+    facts = {r: {**f, name: change(r, f[name])} for r, f in run.facts.items()}
+    return dataclasses.replace(run, facts=facts)
+
+
+@functools.lru_cache(maxsize=None)
+def _full(name: str):
+    """A recorded run with every event kept (no per-rank reduction): for the reduce phases themselves."""
+    from diagnose.ingest.assemble import load_run
+
+    return load_run([FIXTURES / name], jobs=1)
+
+
+def _pipeline(run, th=DEFAULT):
+    from diagnose.analyzers import pipeline_bubbles
+
+    (c,) = pipeline_bubbles.analyze(build_context(run, {}), th)
+    return c
+
+
+def test_the_slowest_stage_is_the_one_that_computes_most_whichever_rank_it_is():
+    """Every recording has its last stage busiest; swap the two stages' busy times and rank 0 is named."""
+    run = fixture_run(FIXTURES / "cpu_pipeline_2rank")
+    busy = {r: run.facts[r]["pipeline_bubble"].busy_ms for r in run.ranks}
+    assert busy[1] > busy[0]
+    swapped = _with_facts(run, "pipeline_bubble", lambda r, s: dataclasses.replace(s, busy_ms=busy[1 - r]))
+    f = _pipeline(swapped).finding
+    assert f.metrics["slowest_stage_rank"] == 0
+    assert f"3. Rebalance layers: stage rank 0 computes {busy[1]:.1f} ms per step" in f.fix
+
+
+def test_pipeline_imbalance_and_excess_idle_decide_at_their_thresholds():
+    """The rebalance advice from imbalance == threshold up; the latency advice only above it."""
+    run = fixture_run(FIXTURES / "cpu_pipeline_2rank")
+    stages = [run.facts[r]["pipeline_bubble"] for r in run.ranks]
+    busy = [s.busy_ms for s in stages]
+    imbalance = max(busy) / (sum(busy) / len(busy)) - 1
+    at = _pipeline(run, dataclasses.replace(DEFAULT, pipeline_imbalance=imbalance))
+    assert "Rebalance layers" in at.finding.fix and "computes" in at.reason
+    above = _pipeline(run, dataclasses.replace(DEFAULT, pipeline_imbalance=float(np.nextafter(imbalance, 2.0))))
+    assert "Rebalance layers" not in above.finding.fix and "more than the mean" not in above.reason
+    from diagnose.analyzers.pipeline_bubbles import bubble_bound
+
+    excess = sum(s.idle_fraction for s in stages) / len(stages) - bubble_bound(2, 4)  # p=2, m=4 (README)
+    at = _pipeline(run, dataclasses.replace(DEFAULT, pipeline_bubble=excess))
+    assert "beyond the schedule's bound" not in at.finding.fix
+    below = _pipeline(run, dataclasses.replace(DEFAULT, pipeline_bubble=float(np.nextafter(excess, 0.0))))
+    assert "beyond the schedule's bound" in below.finding.fix
+
+
+def test_a_rank_without_point_to_point_is_no_pipeline_stage():
+    run = fixture_run(FIXTURES / "cpu_pipeline_2rank")
+    one = _with_facts(run, "pipeline_bubble", lambda r, s: dataclasses.replace(
+        s, p2p_per_step=0.0, recvs_per_step=0.0, microbatches=None) if r == 1 else s)
+    f = _pipeline(one).finding
+    assert f.ranks == (0,) and f.metrics["stages"] == 1
+
+
+def test_no_labels_and_no_receives_leave_the_micro_batches_unknown():
+    run = fixture_run(FIXTURES / "cpu_pipeline_2rank")
+    bare = _with_facts(run, "pipeline_bubble", lambda r, s: dataclasses.replace(s, microbatches=None, recvs_per_step=0.0))
+    f = _pipeline(bare).finding
+    assert (f.metrics["microbatches"], f.metrics["microbatches_source"], f.metrics["bound_fraction"]) == \
+        ("unknown", "unknown", "unknown")
+    assert "the fill-drain bound is (p - 1) / (m + p - 1)" in f.fix
+
+
+def test_a_micro_batch_label_at_the_steps_first_microsecond_is_in_that_step():
+    """Steps are half-open [start, end): a forward label starting exactly at a step's start counts."""
+    from diagnose.analyzers import pipeline_bubbles
+
+    run = _full("cpu_pipelining_2rank")
+    trace, tl = run.traces[0], run.timelines[0]
+    ev = trace.events.copy()
+    parts = ev["name"].astype(str).str.extract(pipeline_bubbles.MICROBATCH.pattern)
+    fwd = (parts[0] == "Forward") | (parts[3] == "F")
+    moved_steps = 0
+    for s in tl.steps.itertuples():
+        inside = ev.index[fwd & (ev["ts"] >= s.start) & (ev["ts"] < s.end)]
+        if len(inside):
+            ev.loc[ev.loc[inside, "ts"].idxmin(), "ts"] = s.start
+            moved_steps += 1
+    assert moved_steps == len(tl.steps)
+    moved = pipeline_bubbles.reduce(dataclasses.replace(trace, events=ev), tl)
+    assert moved.microbatches == pipeline_bubbles.reduce(trace, tl).microbatches == 4
+
+
+def test_a_device_side_copy_of_a_receive_is_not_a_second_receive():
+    """NCCL traces repeat a record_function on the device (gpu_user_annotation): only host events count."""
+    from diagnose.analyzers import pipeline_bubbles
+    from diagnose.ingest.columns import KIND_GPU_ANNOTATION
+
+    run = _full("cpu_pipeline_2rank")
+    trace, tl = run.traces[0], run.timelines[0]
+    ev = trace.events
+    recv = ev[ev["name"].astype(str).str.match(pipeline_bubbles.RECV_TRANSFER.pattern)].copy()
+    assert len(recv)
+    recv["kind"] = KIND_GPU_ANNOTATION
+    recv["name"] = "nccl:recv"
+    both = pd.concat([ev, recv], ignore_index=True)
+    for col in ("kind", "name"):  # the loader's columns are categorical
+        both[col] = both[col].astype(str).astype("category")
+    got = pipeline_bubbles.reduce(dataclasses.replace(trace, events=both), tl)
+    assert got.recvs_per_step == pipeline_bubbles.reduce(trace, tl).recvs_per_step == 4
+
+
+def _launch(run):
+    from diagnose.analyzers import launch
+
+    (c,) = launch.analyze(build_context(run, {}), DEFAULT)
+    return c
+
+
+def test_host_ops_behind_long_gaps_are_named_only_when_long_gaps_cost_something():
+    run = shared_run("hta_nccl_data_rank0of2_a100")
+    gpu = run.facts[0]["launch_overhead"].gpu
+    assert gpu.long_ms > 0 and gpu.host_ops
+    assert "host ops behind the long gaps: aten::add_" in _launch(run).reason
+    none_long = _with_facts(run, "launch_overhead", lambda r, f: dataclasses.replace(
+        f, gpu=dataclasses.replace(f.gpu, long_ms=0.0)))
+    assert "host ops behind the long gaps" not in _launch(none_long).reason
+
+
+def test_a_host_running_ahead_says_launch_overhead_is_not_the_main_wait():
+    """Launch delay at the threshold and more queued idle than launch idle: confidence low, the note
+    and the reason say to look at device_wait."""
+    run = shared_run("hta_nccl_data_rank0of2_a100")
+    gpu = run.facts[0]["launch_overhead"].gpu
+    ahead = _with_facts(run, "launch_overhead", lambda r, f: dataclasses.replace(f, gpu=dataclasses.replace(
+        f.gpu, median_launch_delay_us=DEFAULT.host_ahead_delay_us, queued_ms=gpu.ms + 1.0)))
+    c = _launch(ahead)
+    assert c.finding.confidence == "low"
+    assert ("median launch delay 1.0 ms: the host runs ahead of the device, so launch overhead is not what "
+            "the device mostly waits for") in c.finding.metrics["note"]
+    if c.status == "flagged":
+        assert c.reason.endswith(f"and queued idle is larger ({gpu.ms + 1.0:.1f} ms): see device_wait")
+
+
+def test_a_cpu_rank_without_host_ops_in_its_steps_has_no_op_overhead():
+    from diagnose.analyzers import launch
+
+    run = _full("cpu_straggler_2rank")
+    trace, tl = run.traces[0], run.timelines[0]
+    got = launch._op_overhead(trace.events.iloc[:0], tl)
+    assert (got.ms, got.ops_per_step, got.typical_rows) == (0.0, None, ())
+
+
+def test_a_byte_count_is_a_positive_number_or_missing():
+    from diagnose.analyzers import memory
+
+    assert memory._num(1) == 1.0 and memory._num(0.5) == 0.5
+    assert memory._num(0) is None and memory._num(-3) is None and memory._num("12") is None
+
+
+def test_an_optimizer_of_unknown_state_counts_weights_and_gradients_only():
+    from diagnose.analyzers import memory
+    from diagnose.probedata import ProbeData
+
+    run = shared_run("hta_nccl_data_rank0of2_a100")
+    p = 1_000_000
+    meta = {"optimizers": [{"optimizer": "HomeMadeOptimizer", "params": p, "param_bytes": 4 * p, "state_tensors_per_param": None}],
+            "model": {"params": p, "param_bytes": 4 * p, "wrapper": "DistributedDataParallel"}}
+    ctx = build_context(run, {0: ProbeData(rank=0, meta=meta, steps=pd.DataFrame(), collectives=pd.DataFrame())})
+    (c,) = memory.analyze(ctx, DEFAULT)
+    m = c.finding.metrics
+    assert m["optimizer_state_tensors_per_param"] == "unknown"
+    assert m["arithmetic_bytes_per_param"] == 8  # fp32 weights 4 + gradients 4; the state is not guessed
+
+
+def test_a_gpu_rank_without_steps_has_no_queued_idle_rather_than_nan():
+    from diagnose.analyzers import device_wait
+    from diagnose.ingest.assemble import load_run
+
+    full = load_run([next(shared("hta_nccl_data_rank0of2_a100").glob("*.json*"))], jobs=1)
+    tl = full.timelines[0]
+    got = device_wait.reduce(full.traces[0], dataclasses.replace(tl, steps=tl.steps.iloc[:0]))
+    assert got.ms == 0.0 and got.by_sub_ms and all(v == 0.0 for _, v in got.by_sub_ms)
+
+
+def test_a_reduction_starting_as_the_last_forward_starts_belongs_to_that_pass():
+    """With no_sync() the gradient all-reduce runs in the last backward pass; one that starts at the
+    very microsecond the last micro-batch's forward starts is not an early one (steps and passes
+    are half-open intervals)."""
+    from diagnose.analyzers import grad_sync
+    from diagnose.step.timeline import _names_matching
+
+    run = _full("cpu_accum_2rank")
+    trace, tl = run.traces[0], run.timelines[0]
+    assert grad_sync.reduce(trace, tl).syncing_steps == 0
+    ev = trace.events
+    fw = ev[_names_matching(ev, grad_sync.DDP_FORWARD)]
+    coll = tl.collectives.copy()
+    moved = 0
+    for s in tl.steps.itertuples():
+        starts = fw["ts"][(fw["ts"] >= s.start) & (fw["ts"] < s.end)]
+        mine = coll.index[coll["step"] == s.step]
+        if len(starts) >= 2 and len(mine):
+            coll.loc[mine[0], "arrival"] = float(starts.max())
+            moved += 1
+    assert moved >= 2
+    got = grad_sync.reduce(trace, dataclasses.replace(tl, collectives=coll))
+    assert (got.syncing_steps, got.early_allreduces) == (0, 0.0)
+
+
+def _reduce_dtype(run, th=DEFAULT):
+    from diagnose.analyzers import reduce_dtype
+
+    (c,) = reduce_dtype.analyze(build_context(run, {}), th)
+    return c
+
+
+def test_an_nccl_job_computing_in_bf16_and_reducing_in_fp32_is_flagged_with_its_figures():
+    """The A100 NCCL job (fp32 compute, fp32 reductions: passes) with its compute made bf16: the
+    NCCL path's verdict, whose own figure is half the exposed time inside the fp32 reductions. (The
+    replay gives back less there, 0.3% of the step: other waits take its place; the threshold is
+    lowered to see the flagged wording.)"""
+    from diagnose.analyzers.reduce_dtype import Precision
+
+    run = shared_run("hta_nccl_data_rank0of2_a100")
+    assert _reduce_dtype(run).status == "passed"
+    p = run.facts[0]["reduce_dtype"]
+    bf16 = _with_facts(run, "reduce_dtype", lambda r, f: dataclasses.replace(
+        f, matrix_us=(("bf16", 900.0), ("fp32", 100.0))))
+    assert isinstance(p, Precision) and p.fp32_exposed_ms > 0
+    c = _reduce_dtype(bf16)
+    assert c.status == "passed" and c.measured_ms == pytest.approx(0.5 * p.fp32_exposed_ms, abs=1e-3)
+    c = _reduce_dtype(bf16, dataclasses.replace(DEFAULT, reduce_dtype=0.001))
+    assert c.status == "flagged" and c.finding.metrics["exposed_ms_in_fp32_reductions"] == round(p.fp32_exposed_ms, 3)
+    f = c.finding
+    assert c.reason.startswith("90% of matrix-op time in bf16/fp16 but 100% of the reduced gradient bytes in fp32: "
+                               f"about {f.recoverable_ms:.1f} ms per step ({f.share_of_step:.0%}) to gain by "
+                               "reducing in bf16")
+
+
+def test_the_precision_a_model_computes_in_is_the_one_with_most_matrix_time():
+    run = shared_run("hta_nccl_data_rank0of2_a100")
+    mostly = _with_facts(run, "reduce_dtype", lambda r, f: dataclasses.replace(
+        f, matrix_us=(("fp32", 900.0), ("fp64", 100.0))))
+    c = _reduce_dtype(mostly)
+    assert c.status == "passed" and c.reason.startswith("the model computes in fp32 (100% of matrix-op time)")
+
+
+def test_a_rank_without_steps_cites_no_event():
+    from diagnose.analyzers import reduce_dtype
+
+    run = _full("cpu_reduce_fp32_2rank")
+    tl = run.timelines[0]
+    got = reduce_dtype.reduce(run.traces[0], dataclasses.replace(tl, steps=tl.steps.iloc[:0]))
+    assert got.matrix_row < 0 and got.fp32_rows == () and got.matrix_us == ()
+
+
+def test_a_rank_without_an_idle_split_is_left_out_of_the_late_ranks_comparison():
+    """DLRM's rank 7 is late from device idle, mostly waiting for host launches. With the idle model
+    of ranks 1-3 failed, their split is unknown: the comparison is with the median of the ranks
+    that have one (counting the unknown as zero idle would make rank 7's excess look larger)."""
+    import statistics
+
+    from diagnose.analyzers import straggler
+    from diagnose.ingest.assemble import ReduceFailed
+
+    run = shared_run("param_dlrm_8rank_v100")
+    failed = dataclasses.replace(run, idle={**run.idle, **{r: ReduceFailed("idle model failed") for r in (1, 2, 3)}})
+    ctx = build_context(failed, {})
+    t = ctx.table
+    launch = {r: statistics.fmean(d["launch"] for d in t[t["rank"] == r]["other_by_cause_ms"])
+              for r in run.ranks if r not in (1, 2, 3)}
+    want = launch[7] - statistics.median(v for r, v in launch.items() if r != 7)
+    source, _, _, detail = straggler.why_late(ctx, 7)
+    assert source == "host gaps or device idle"
+    assert detail == f", mostly the device waiting for host launches (+{want:.1f} ms)"
+
+
+def test_an_op_the_late_rank_spends_exactly_the_floor_more_in_is_named():
+    """The op diff names ops from MIN_OP_EXCESS_MS more per step (the healthy floor) up."""
+    from diagnose.analyzers import straggler
+
+    run = fixture_run(FIXTURES / "cpu_straggler_2rank")
+    base = run.facts[0]["straggler"].ops
+    floor = straggler.MIN_OP_EXCESS_MS
+    same = _with_facts(run, "straggler", lambda r, f: dataclasses.replace(
+        f, ops=base + ((("aten::tiny_op", floor, 1),) if r == 1 else ())))
+    _, _, ops, _ = straggler.why_late(build_context(same, {}), 1)
+    assert ops == f"aten::tiny_op +{floor:.2f} ms/step (+1 calls)"
+    below = _with_facts(run, "straggler", lambda r, f: dataclasses.replace(
+        f, ops=base + ((("aten::tiny_op", float(np.nextafter(floor, 0.0)), 1),) if r == 1 else ())))
+    assert straggler.why_late(build_context(below, {}), 1)[2] == ""
+
+
+def test_without_a_step_model_the_straggler_is_decided_by_its_wait():
+    """No replay (the step model could not be built): the finding keeps the wait it imposes, and the
+    reason says who is last and how long the others wait, with no replayed figure."""
+    from diagnose.analyzers import straggler
+
+    run = fixture_run(FIXTURES / "cpu_straggler_2rank")
+    ctx = dataclasses.replace(build_context(run, {}), model=None)
+    (c,) = straggler.analyze(ctx, DEFAULT)
+    assert c.status == "flagged" and c.finding.ranks == (1,)
+    assert c.reason.startswith("rank 1 is last to arrive at ") and "(replayed)" not in c.reason
+    assert f"the others wait {c.finding.metrics['wait_imposed_ms_per_step']:.1f} ms per step for it" in c.reason
+
+
+def test_one_matched_collective_is_too_few_to_be_sure():
+    from diagnose.analyzers import straggler
+
+    run = fixture_run(FIXTURES / "cpu_straggler_2rank")
+    ctx = build_context(run, {})
+    m = ctx.matched
+    first = m.per_collective.iloc[:1]
+    key = ["step", "pg", "seq"]
+    rows = m.per_rank.merge(first[key], on=key)
+    one = dataclasses.replace(ctx, matched=dataclasses.replace(m, per_collective=first, per_rank=rows), model=None)
+    (c,) = straggler.analyze(one, DEFAULT)
+    assert c.finding.metrics["collectives_matched"] == 1
+    assert c.finding.metrics["note"] == "one collective only: too few to tell a straggler from jitter"
+    assert c.finding.confidence == "low"
+
+
+def test_the_every_step_dataloader_share_is_the_worst_ranks_median_over_the_record():
+    """With the probes' every-step record beside the traces, the DataLoader check quotes the
+    largest per-rank median of DataLoader wait / step time over the whole record (raw JSON lines;
+    step 0 is the warm-up the probes leave out)."""
+    import json
+    import statistics
+
+    from diagnose.probedata import load_probe_data
+
+    rec = FIXTURES / "light_failslow" / "loader"
+    run = fixture_run(FIXTURES / "cpu_straggler_dataloader_2rank")
+    c = next(c for c in dataloader.analyze(build_context(run, load_probe_data([rec])), DEFAULT)
+             if c.id == "dataloader_starvation")
+    shares, counts = [], []
+    for r in (0, 1):
+        rows = [json.loads(x) for x in (rec / f"rank{r}.steps.jsonl").read_text().splitlines()]
+        rows = [x for x in rows if x["step"] >= 1]
+        shares.append(statistics.median(x["dataloader_ms"] / x["dur_ms"] for x in rows))
+        counts.append(len(rows))
+    assert c.finding.metrics["every_step_dataloader_share"] == pytest.approx(max(shares), abs=5e-5)
+    assert c.finding.metrics["every_step_steps"] == max(counts)

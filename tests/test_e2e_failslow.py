@@ -22,12 +22,12 @@ JOB = ("--steps", "240", "--hidden", "256", "--repeat", "2", "--batch-size", "64
 FROM = 120
 
 
-def launch(out, *fault, schedule="off"):
+def launch(out, *fault, schedule="off", job=JOB, env=None):
     cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", schedule, "--",
            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(EXAMPLE), *JOB, *fault]
+           str(EXAMPLE), *job, *fault]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -64,3 +64,19 @@ def test_a_slower_input_pipeline_on_every_rank(tmp_path):
 def test_a_steady_run_reports_no_change(tmp_path):
     launch(tmp_path)
     assert "none: the job ran at one speed" in changes(tmp_path)
+
+
+# rank 1's CPU part must be a large share of its step for a hog sharing its core to show: a
+# larger model, a shorter device wait
+HOG_JOB = ("--steps", "240", "--hidden", "512", "--repeat", "2", "--batch-size", "64", "--device-ms", "20")
+
+
+def test_a_cpu_hog_on_one_ranks_core_is_found_and_the_cpu_load_moved_with_it(tmp_path):
+    """Each rank pinned to its own core; from step 120 a busy-looping process shares rank 1's
+    core. The change is rank 1's compute, and the telemetry of its core says why."""
+    launch(tmp_path, "--pin-cores", "--cpu-hog", "--slow-from-step", str(FROM), "--slow-rank", "1", job=HOG_JOB,
+           env={"DIAGNOSE_TELEMETRY_S": "0.5"})
+    out = changes(tmp_path)
+    m = re.search(r"from step (\d+) .*: rank 1, compute \+.*; with it: (.*)", out)
+    assert m and abs(int(m.group(1)) - FROM) <= 3, out
+    assert "rank 1" in m.group(2) and "CPU busy" in m.group(2), out

@@ -122,8 +122,29 @@ def test_time_limit_kills_hta_and_keeps_finished_analyses(hta_installed, monkeyp
     cp = res.get("critical_path")
     assert not cp.ok and cp.error.startswith(COULD_NOT) and "time limit" in cp.error
     if Path("/proc").is_dir():
-        left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline_has(p, "diagnose.hta.worker")]
+        # this test's own workers only: another xdist worker may be running HTA at the same time
+        left = [p for p in _descendants(os.getpid()) if _cmdline_has(p, "diagnose.hta.worker")]
         assert not left, "an HTA worker outlived its time limit"
+
+
+def _descendants(pid: int) -> list[Path]:
+    parent = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+            parent[p] = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError):
+            continue
+    mine, grew = {pid}, True
+    while grew:
+        grew = False
+        for p, pp in parent.items():
+            if pp in mine and int(p.name) not in mine:
+                mine.add(int(p.name))
+                grew = True
+    return [p for p in parent if int(p.name) in mine - {pid}]
 
 
 def _cmdline_has(proc: Path, needle: str) -> bool:

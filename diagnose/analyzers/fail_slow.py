@@ -35,6 +35,10 @@ FIX = {
 }
 
 
+MAX_SIGNALS = 4
+"""Signals named in one line: the largest moves."""
+
+
 def when(wall_s: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(wall_s)) if wall_s else "time unknown"
 
@@ -46,6 +50,8 @@ def describe(e: Event) -> str:
             f"({e.lost_ms:+.1f} ms)")
     if e.place == "every rank" and e.lost_ms > 0:
         text += "; no rank leads it: shared infrastructure (storage, network, the input pipeline)"
+    if e.signals:
+        text += "; with it: " + ", ".join(m.text for m in e.signals[:MAX_SIGNALS])
     return text
 
 
@@ -73,6 +79,12 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     }
     for c in e.changes:
         metrics[f"rank{c.rank}_{c.component}_delta_ms"] = round(c.delta_ms, 3)
+    if e.signals:
+        metrics["signals_moved"] = "; ".join(m.text for m in e.signals[:MAX_SIGNALS])
+    elif any(not p.telemetry.empty for p in probes.values()):
+        metrics["signals_moved"] = "none of the host and device signals recorded moved with it"
+    else:
+        metrics["signals_moved"] = "no host or device signals recorded (probes before telemetry, or sampling off)"
     first = min(int(p.steps["step"].min()) for p in probes.values())
     last = max(int(p.steps["step"].max()) for p in probes.values())
     hosts = sorted({str(ctx.probes[r].meta["host"]) for r in e.ranks if ctx.probes[r].meta.get("host")})

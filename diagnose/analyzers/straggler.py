@@ -116,9 +116,10 @@ def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str
     source = SOURCES[top] if excess[top] > 0 else None
     detail = ""
     if top == "other_ms" and source and "other_by_cause_ms" in ctx.table:
-        # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes)
-        by = pd.DataFrame(list(ctx.table["other_by_cause_ms"]), index=ctx.table["rank"]).fillna(0.0)
-        if not by.empty and rank in by.index:
+        # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes).
+        # A rank whose idle model could not be built has no split: left out, not read as zero idle
+        by = pd.DataFrame(list(ctx.table["other_by_cause_ms"]), index=ctx.table["rank"]).dropna(how="all")
+        if not by.empty and rank in by.index and by.index.nunique() >= 2:
             m = by.groupby(level=0).mean()
             cls = (m.loc[rank] - m.drop(index=rank).median()).sort_values(ascending=False)
             if len(cls) and cls.iloc[0] > 0 and cls.index[0] in IDLE_SOURCES:

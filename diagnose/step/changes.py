@@ -30,6 +30,12 @@ DataLoader; communication only when no rank's own work moved: a slower link), it
 where that component moved, and its place one rank, one host (every rank of a host, no other:
 from the sidecars' host names) or every rank (shared infrastructure: storage, network, the
 input pipeline).
+
+Each event is then annotated with the host and device signals that moved with it (the probes'
+`rank{R}.telemetry.jsonl`, probes/telemetry.py): per rank of the event, the median of each signal
+over the samples of the segment before the change and of the segment after it, kept when it moved
+by at least its floor (SIGNAL_FLOORS) and by a fifth. A signal the probe could not read is
+missing there and never reads as a move.
 """
 from __future__ import annotations
 
@@ -70,6 +76,48 @@ class Change:
         return self.after_ms - self.before_ms
 
 
+SIGNAL_FLOORS = {"cpu_busy": 0.15, "cpu_steal": 0.05, "load1": 0.5, "proc_cpu": 0.15,
+                 "invol_switches_per_s": 20.0, "rss_mb": 256.0, "sm_clock_mhz": 100.0, "gpu_temp_c": 8.0,
+                 "gpu_power_w": 30.0}
+"""The least move of each signal that annotates a change: well above what a steady run's samples
+wander by (a share of CPU time, a load average, CPU seconds per second, switches per second, MB,
+MHz, degrees C, W). gpu_throttle: any change of the reasons."""
+SIGNAL_REL = 0.2
+MIN_SAMPLES = 2
+"""Samples needed on each side of a change to compare a signal."""
+SIGNAL_WORDS = {"cpu_busy": ("CPU busy", "{:.0%}"), "cpu_steal": ("CPU steal", "{:.0%}"),
+                "load1": ("load average", "{:.1f}"), "proc_cpu": ("the rank's CPU use", "{:.2f} s/s"),
+                "invol_switches_per_s": ("involuntary context switches", "{:,.0f}/s"),
+                "rss_mb": ("resident memory", "{:,.0f} MB"), "sm_clock_mhz": ("SM clock", "{:,.0f} MHz"),
+                "gpu_temp_c": ("GPU temperature", "{:.0f} C"), "gpu_power_w": ("GPU power", "{:.0f} W")}
+
+
+@dataclass(frozen=True, slots=True)
+class SignalMove:
+    """A host or device signal that moved with a change."""
+
+    signal: str
+    rank: int
+    host: str | None
+    before: float
+    after: float
+
+    @property
+    def text(self) -> str:
+        where = f"rank {self.rank}" + (f" ({self.host})" if self.host else "")
+        if self.signal == "gpu_throttle":
+            return f"{where} throttle reasons {_throttle(self.before)} -> {_throttle(self.after)}"
+        words, fmt = SIGNAL_WORDS[self.signal]
+        return f"{where} {words} {fmt.format(self.before)} -> {fmt.format(self.after)}"
+
+
+def _throttle(bits: float) -> str:
+    from diagnose.probes.telemetry import THROTTLE
+
+    b = int(bits)
+    return ", ".join(name for bit, name in THROTTLE.items() if b & bit) or "none"
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """Changes at about the same step, read together."""
@@ -89,6 +137,8 @@ class Event:
     cause_delta_ms: float
     """The cause's change on the leading rank."""
     changes: tuple[Change, ...]
+    signals: tuple[SignalMove, ...] = ()
+    """Host and device signals that moved with it, the largest relative move first (may be empty)."""
 
     @property
     def lost_ms(self) -> float:
@@ -216,8 +266,40 @@ def run_changes(probes: dict[int, ProbeData], min_segment: int = 20, min_effect:
                             cause=lead.component, ranks=ranks, place=_place(ranks, series, probes),
                             step_before_ms=float(before.median()), step_after_ms=float(after.median()),
                             cause_delta_ms=lead.delta_ms,
-                            changes=tuple(c for c in changes if abs(c.step - lead.step) <= CLUSTER_STEPS)))
+                            changes=tuple(c for c in changes if abs(c.step - lead.step) <= CLUSTER_STEPS),
+                            signals=signal_moves(probes, ranks, cuts[i], lead.step, cuts[i + 2])))
     return tuple(events)
+
+
+def signal_moves(probes: dict[int, ProbeData], ranks, lo: int, step: int, hi: int) -> tuple[SignalMove, ...]:
+    """The telemetry signals of `ranks` whose median over the samples in steps [lo, step) differs
+    from the one over (step, hi) by SIGNAL_FLOORS and SIGNAL_REL (the sample taken during the step
+    of the change straddles it: left out)."""
+    out = []
+    for r in ranks:
+        p = probes.get(r)
+        t = p.telemetry if p is not None else None
+        if t is None or t.empty:
+            continue
+        s = t["step"].to_numpy()
+        before, after = t[(s >= lo) & (s < step)], t[(s > step) & (s < hi)]
+        host = str(p.meta["host"]) if p.meta.get("host") else None
+        for sig in ("gpu_throttle", *SIGNAL_FLOORS):
+            if sig not in t:
+                continue
+            a, b = before[sig].dropna(), after[sig].dropna()
+            if len(a) < MIN_SAMPLES or len(b) < MIN_SAMPLES:
+                continue  # missing on this host (no NVML, no /proc), or too few samples
+            if sig == "gpu_throttle":
+                x, y = float(a.mode().iloc[0]), float(b.mode().iloc[0])
+                if x != y:
+                    out.append((float("inf"), SignalMove(sig, r, host, x, y)))
+                continue
+            x, y = float(a.median()), float(b.median())
+            rel = abs(y - x) / max(abs(x), 1e-9)
+            if abs(y - x) >= SIGNAL_FLOORS[sig] and rel >= SIGNAL_REL:
+                out.append((rel, SignalMove(sig, r, host, x, y)))
+    return tuple(m for _, m in sorted(out, key=lambda x: -x[0]))
 
 
 def _clusters(changes: list[Change]) -> list[list[Change]]:
