@@ -41,6 +41,8 @@ class LiveView:
     """Step logs skipped because they cannot be read safely (a FIFO, a device), one line each."""
     quiet_s: float = 0.0
     """Seconds since any rank last finished a step."""
+    change: str | None = None
+    """The latest slowdown over the whole record (diagnose/step/changes.py), as "since step N ..."."""
 
 
 STALE_MIN_S = 15.0
@@ -100,7 +102,22 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
         suspicion = (f"no rank has finished a step for {quiet:.0f} s: the job has stopped or is stuck "
                      f"(`diagnose hang` tells which); over its last steps: {suspicion}")
     return LiveView(tuple(ranks), slowest.rank, furthest - slowest.step, late_rank, late_ms, suspicion, window,
-                    tuple(warnings), quiet_s=quiet)
+                    tuple(warnings), quiet_s=quiet, change=latest_change(pdir, th))
+
+
+def latest_change(pdir: Path, th: Thresholds = DEFAULT) -> str | None:
+    """The latest change to a slower step over every step recorded so far, as the on-call line
+    `diagnose changes` prints (with the signals that moved with it), or None. Reads the whole
+    record (bounded by the reader's line budget) at each refresh."""
+    from diagnose.analyzers.fail_slow import describe
+    from diagnose.probedata import load_probe_data
+    from diagnose.step.changes import run_changes
+
+    probes = {r: p for r, p in load_probe_data([pdir]).items() if not p.steps.empty}
+    if not probes or max(len(p.steps) for p in probes.values()) < 2 * th.fail_slow_min_segment:
+        return None
+    slower = [e for e in run_changes(probes, th.fail_slow_min_segment, th.fail_slow_effect) if e.lost_ms > 0]
+    return "since " + describe(slower[-1]).removeprefix("from ") if slower else None
 
 
 def render(view: LiveView) -> str:
@@ -114,6 +131,8 @@ def render(view: LiveView) -> str:
         lines.append(f"slowest rank: {view.slowest_rank}, {view.behind_steps} step(s) behind the furthest")
     elif view.ranks:  # in step: which rank is slow is the late-at-collectives mark's to say
         lines.append(f"all ranks at step {view.ranks[0].step}")
+    if view.change:
+        lines.append(f"changed: {view.change}")
     lines.append(f"suspicion: {view.suspicion}")
     lines += [f"warning: {one_line(w)}" for w in view.warnings]
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from diagnose.live import render, snapshot
 
@@ -63,3 +64,20 @@ def test_hang_on_step_logs_that_still_move_says_not_stuck(tmp_path):
     res = CliRunner().invoke(main, ["hang", str(tmp_path), "--timeout", "20"])
     assert res.exit_code == 0 and res.output.startswith("NOT STUCK: every rank finished a step"), res.output
     assert not list(tmp_path.glob("hang*"))
+
+
+def test_watch_marks_a_change_of_speed_over_the_whole_record():
+    """tests/fixtures/light_failslow: the rank-1 slowdown from step ~150 is marked live, with the
+    same words `diagnose changes` prints; a steady run gets no mark."""
+    from diagnose.analyzers.fail_slow import describe
+    from diagnose.probedata import load_probe_data
+    from diagnose.step.changes import run_changes
+    from diagnose.thresholds import DEFAULT
+
+    fix = Path(__file__).parent / "fixtures" / "light_failslow"
+    (e,) = run_changes(load_probe_data([fix / "rank"]), DEFAULT.fail_slow_min_segment, DEFAULT.fail_slow_effect)
+    view = snapshot(fix / "rank", window=20)
+    assert view.change == "since " + describe(e).removeprefix("from ")
+    assert view.change.startswith(f"since step {e.step} (") and "rank 1, compute +" in view.change
+    assert f"changed: since step {e.step}" in render(view)
+    assert snapshot(fix / "steady", window=20).change is None

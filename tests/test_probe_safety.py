@@ -301,7 +301,8 @@ def test_a_child_of_a_rank_writes_nothing_as_that_rank(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "rank0.steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # the parent's three steps, not the child's too
-    assert sorted(p.name for p in out.iterdir()) == ["rank0.probe.json", "rank0.steps.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.probe.json", "rank0.steps.jsonl",
+                                                     "rank0.telemetry.jsonl"]  # the rank's own only
 
 
 @pytest.mark.e2e
