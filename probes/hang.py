@@ -16,10 +16,10 @@ dumps at most once per MIN_INTERVAL_S whatever the number of requests.
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 from .capture import ID, read_control, signature
+from .periodic import Periodic
 from .safefs import SafeDir
 
 CONTROL = "hang.json"
@@ -39,7 +39,7 @@ def flight_recorder_json() -> bytes:
     return out.encode() if isinstance(out, str) else bytes(out)
 
 
-class HangWatcher:
+class HangWatcher(Periodic):
     def __init__(self, out_dir: SafeDir, rank: int, on_error) -> None:
         """out_dir: the probe's open directory; rank: already claimed by the probe."""
         self.out_dir = out_dir
@@ -48,18 +48,7 @@ class HangWatcher:
         self._seen = None
         self._next_ok = 0.0
         self._done: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="diagnose-hang-watch", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, join_s: float = 2.0) -> bool:
-        """Stop polling; True once the thread has finished (then its directory may be closed)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(join_s)
-        return not self._thread.is_alive()
+        super().__init__("diagnose-hang-watch")
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):

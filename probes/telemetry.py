@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
+
+from .periodic import Periodic
 
 INTERVAL_S = 2.0
 """Default seconds between samples; DIAGNOSE_TELEMETRY_S overrides it (0: no sampling)."""
@@ -123,7 +124,7 @@ class _Nvml:
         return out
 
 
-class Sampler:
+class Sampler(Periodic):
     """Samples SIGNALS every INTERVAL_S on its own daemon thread; `write(line)` appends one line."""
 
     def __init__(self, write, current_step, on_error, interval_s: float = INTERVAL_S) -> None:
@@ -138,17 +139,7 @@ class Sampler:
             self.cpus = None
         self.nvml = None
         self._last = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="diagnose-telemetry", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, join_s: float = 2.0) -> bool:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(join_s)
-        return not self._thread.is_alive()
+        super().__init__("diagnose-telemetry")
 
     def _run(self) -> None:
         self.nvml = _Nvml()  # here, not on the training thread: nvmlInit can take a while

@@ -273,11 +273,10 @@ def test_a_host_running_ahead_says_launch_overhead_is_not_the_main_wait():
     ahead = _with_facts(run, "launch_overhead", lambda r, f: dataclasses.replace(f, gpu=dataclasses.replace(
         f.gpu, median_launch_delay_us=DEFAULT.host_ahead_delay_us, queued_ms=gpu.ms + 1.0)))
     c = _launch(ahead)
-    assert c.finding.confidence == "low"
+    assert c.status == "flagged" and c.finding.confidence == "low"
     assert ("median launch delay 1.0 ms: the host runs ahead of the device, so launch overhead is not what "
             "the device mostly waits for") in c.finding.metrics["note"]
-    if c.status == "flagged":
-        assert c.reason.endswith(f"and queued idle is larger ({gpu.ms + 1.0:.1f} ms): see device_wait")
+    assert c.reason.endswith(f"and queued idle is larger ({gpu.ms + 1.0:.1f} ms): see device_wait")
 
 
 def test_a_cpu_rank_without_host_ops_in_its_steps_has_no_op_overhead():
