@@ -171,18 +171,27 @@ def run(out: Path, schedule: str, flight_recorder: bool, link_gbps: str | None, 
               help="Seconds to wait for every rank; then analyse what came.")
 @click.option("--out", "out", default=None, type=click.Path(path_type=Path),
               help="Where to write the diagnosis (default: the capture's own directory).")
-def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> None:
+@click.option("--on-change", "on_change", default=None, type=float, metavar="SECONDS",
+              help="First wait up to SECONDS for the job to get slower (a change `diagnose changes` would "
+                   "report, not in the record yet), then profile right after it.")
+def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None, on_change: float | None) -> None:
     """Profile the next STEPS steps on every rank of a RUNNING job (started with `diagnose run`), then diagnose.
 
     Coordination is one control file in the run directory; the job gets no collective, no barrier.
+    With --on-change the capture waits for a slowdown first: it is seen once the job has run
+    fail_slow_min_segment steps (20) at the new speed, and the steps profiled are the ones after.
     """
     from diagnose.oncall import check_capture_steps, live_tails, probe_dir, progress, request_capture, \
         wait_for_capture
 
     try:
         check_capture_steps(steps)
+        if on_change is not None and not 0 < on_change <= 7 * 86400:
+            raise DiagnoseError(f"--on-change {on_change:g}: the wait must be between 0 and a week (seconds)")
         pdir = probe_dir(run_dir, note)
         refuse_finished(pdir, "`capture` needs a running job (`diagnose analyze` reads what it wrote)")
+        if on_change is not None:
+            _wait_for_change(pdir, on_change)
         # without a lock to ask (probes.watch() runs), stale step logs tell a job that is gone
         p = progress(live_tails(pdir), min_s=CAPTURE_STALE_S, steps=CAPTURE_STALE_STEPS)
         if p.ages and len(p.quiet) == len(p.ages):
@@ -211,6 +220,24 @@ def capture(run_dir: Path, steps: int, timeout_s: float, out: Path | None) -> No
         analyze_outputs([str(res.directory)], out or res.directory, probe_paths=[str(res.directory), str(pdir)])
     except DiagnoseError as exc:
         fail(str(exc))
+
+
+def _wait_for_change(pdir: Path, wait_s: float) -> None:
+    """capture --on-change: wait for a slowdown not yet in the record, or fail (nothing captured)."""
+    from diagnose.analyzers.fail_slow import describe
+    from diagnose.live import slowdowns, wait_for_change
+    from diagnose.rundir import run_is_live, run_of
+
+    known = slowdowns(pdir)
+    if known:
+        click.echo(f"already in the record, not waited for: {one_line(describe(known[-1]))}", err=True)
+    click.echo(f"waiting up to {wait_s:g} s for the job to get slower", err=True)
+    e = wait_for_change(pdir, wait_s, known=known, alive=lambda: run_is_live(pdir) is not False)
+    if e is None and run_is_live(pdir) is False:
+        fail(f"{run_of(pdir)}: the run finished while waiting for a slowdown: nothing captured")
+    if e is None:
+        fail(f"{pdir}: no slowdown within {wait_s:g} s: nothing captured (`diagnose changes` shows the record)")
+    click.echo(f"change: {one_line(describe(e))}", err=True)
 
 
 @main.command()

@@ -105,19 +105,45 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
                     tuple(warnings), quiet_s=quiet, change=latest_change(pdir, th))
 
 
-def latest_change(pdir: Path, th: Thresholds = DEFAULT) -> str | None:
-    """The latest change to a slower step over every step recorded so far, as the on-call line
-    `diagnose changes` prints (with the signals that moved with it), or None. Reads the whole
-    record (bounded by the reader's line budget) at each refresh."""
-    from diagnose.analyzers.fail_slow import describe
+def slowdowns(pdir: Path, th: Thresholds = DEFAULT) -> tuple:
+    """The changes to a slower step over every step recorded so far (diagnose/step/changes.py),
+    in step order. Reads the whole record (bounded by the reader's line budget)."""
     from diagnose.probedata import load_probe_data
     from diagnose.step.changes import run_changes
 
     probes = {r: p for r, p in load_probe_data([pdir]).items() if not p.steps.empty}
     if not probes or max(len(p.steps) for p in probes.values()) < 2 * th.fail_slow_min_segment:
-        return None
-    slower = [e for e in run_changes(probes, th.fail_slow_min_segment, th.fail_slow_effect) if e.lost_ms > 0]
+        return ()
+    return tuple(e for e in run_changes(probes, th.fail_slow_min_segment, th.fail_slow_effect) if e.lost_ms > 0)
+
+
+def latest_change(pdir: Path, th: Thresholds = DEFAULT) -> str | None:
+    """The latest change to a slower step, as the on-call line `diagnose changes` prints (with
+    the signals that moved with it), or None."""
+    from diagnose.analyzers.fail_slow import describe
+
+    slower = slowdowns(pdir, th)
     return "since " + describe(slower[-1]).removeprefix("from ") if slower else None
+
+
+def wait_for_change(pdir: Path, timeout_s: float, poll_s: float = 2.0, th: Thresholds = DEFAULT,
+                    known: tuple | None = None, alive=lambda: True):
+    """The first slowdown that was not in the record when the wait began (`known`: the events
+    already seen; read now when None), or None after timeout_s or once `alive()` is false. A
+    change is seen once th.fail_slow_min_segment steps at the new speed are recorded: that many
+    steps after it."""
+    from diagnose.step.changes import CLUSTER_STEPS
+
+    seen = [e.step for e in (slowdowns(pdir, th) if known is None else known)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # the same change found again moves by a few steps as more of it is recorded
+        new = [e for e in slowdowns(pdir, th) if all(abs(e.step - s) > CLUSTER_STEPS for s in seen)]
+        if new:
+            return new[0]
+        if time.monotonic() >= deadline or not alive():
+            return None
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 def render(view: LiveView) -> str:

@@ -258,7 +258,9 @@ def _over_time_extra(ctx: Context, checks: list[Check]) -> dict:
     fs = next((c for c in checks if c.id == "fail_slow" and c.finding is not None), None)
     changes = [{"step": int(fs.finding.metrics["change_step"]), "text": fs.reason}] if fs else []
     return {"bucket_steps": o.bucket, "steps": list(o.steps), "job_ms": list(o.job_ms),
-            "ranks": [{"rank": r, "step_ms": list(v)} for r, v in o.ranks.items()], "changes": changes}
+            "ranks": [{"rank": r, "step_ms": list(v)} for r, v in o.ranks.items()], "changes": changes,
+            "heat": {"bucket_steps": o.heat_bucket, "steps": list(o.heat_steps),
+                     "ranks": [{"rank": r, "own_ms": list(v)} for r, v in o.heat.items()]}}
 
 
 def _compiled_extra(ctx: Context) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import math
 import re
+import statistics
 from collections import defaultdict
 
 import plotly.graph_objects as go
@@ -334,6 +335,36 @@ def lateness_heatmap(lateness: dict) -> go.Figure | None:
     height = max(260, min(1400, 120 + 28 * len(ranks)))
     return _layout(fig, "Arrival lateness at each collective (ms after the median rank)",
                    height=height, xaxis={"type": "category", "tickangle": -45},
+                   yaxis={"autorange": "reversed", "type": "category"})
+
+
+def over_time_heatmap(over: dict) -> go.Figure | None:
+    """Rank by time: each rank's own time per step (the step less its collectives) per bucket of
+    steps, relative to the median rank's in that bucket. In synchronous training every rank's step
+    lasts as long as the slowest's, so it is the own time that shows which rank got slow: a bright
+    row from its change on; a whole-job slowdown moves every row alike (the line chart shows it)."""
+    heat = over.get("heat") if isinstance(over, dict) else None
+    if not isinstance(heat, dict):
+        return None
+    steps = [num(x) for x in heat.get("steps") or []]
+    rows = [(r, row.get("own_ms")) for row in heat.get("ranks") or [] if isinstance(row, dict)
+            for r in [_rank(row.get("rank"))] if r is not None]
+    rows = [(r, [num(v) for v in y]) for r, y in rows if isinstance(y, list) and len(y) == len(steps)]
+    if len(steps) < 2 or any(x is None for x in steps) or len(rows) < 2:
+        return None
+    job = [statistics.median(col) if (col := [y[i] for _, y in rows if y[i] is not None]) else None
+           for i in range(len(steps))]
+    z = [[(v / j - 1.0) * 100 if v is not None and j else None for v, j in zip(y, job)] for _, y in rows]
+    bucket = num(heat.get("bucket_steps")) or 1
+    fig = go.Figure(go.Heatmap(
+        z=z, x=steps, y=[f"rank {r}" for r, _ in rows], customdata=[y for _, y in rows], colorscale="RdBu_r",
+        zmid=0, colorbar={"title": {"text": "% vs median rank"}}, ygap=1 if len(rows) <= 64 else 0,
+        hovertemplate="%{y}, from step %{x}: own time %{customdata:.1f} ms per step (%{z:+.0f}% vs the median "
+                      "rank)<extra></extra>"))
+    height = max(260, min(1400, 120 + (18 if len(rows) <= 64 else 4) * len(rows)))
+    title = "Each rank's own time per step (less its collectives) against the median rank's" + (
+        f" (median of each {bucket:.0f} steps)" if bucket > 1 else "")
+    return _layout(fig, title, height=height, xaxis={"title": {"text": "step"}},
                    yaxis={"autorange": "reversed", "type": "category"})
 
 

@@ -159,8 +159,10 @@ def _over_time_section(extras: dict, cs: ChartSet) -> str:
         return ""
     said = "".join(f"<li>{esc(c['text'])}</li>" for c in _list(over.get("changes"))
                    if isinstance(c, dict) and c.get("text"))
+    heat = charts.over_time_heatmap(over)
     return ('<h3 id="over-time">Every step of the run</h3>' + cs.add(fig, "Step time over the whole run")
             + (f"<ul>{said}</ul>" if said else "")
+            + (cs.add(heat, "Each rank's own time per step against the median rank's, over the whole run") if heat is not None else "")
             + '<p class="muted">From the probes\' record of every step, profiled or not (the timeline above shows '
             'one profiled step). A change of level that lasts is the fail_slow check\'s; <code>diagnose changes '
             'RUN_DIR</code> lists every one.</p>')

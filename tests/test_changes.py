@@ -37,11 +37,12 @@ def test_a_steady_run_has_no_change():
 def test_one_rank_computing_more_is_found_at_its_step():
     (e,) = events("rank")
     assert abs(e.step - FAULT_STEP) <= 3 and e.cause == "compute_ms" and e.ranks == (1,) and e.place == "rank 1"
-    # independently, from the raw records: the job's step (median over ranks) before and after
-    job = {s["step"]: statistics.median([s["dur_ms"], t["dur_ms"]])
-           for s, t in zip(raw_steps("rank", 0), raw_steps("rank", 1))}
-    before = statistics.median(v for k, v in job.items() if k < e.step)
-    after = statistics.median(v for k, v in job.items() if k >= e.step)
+    # independently, from the raw records: the job's step before and after, the median over ranks
+    # of each rank's median step over the segment
+    def job(keep):
+        return statistics.median(statistics.median(s["dur_ms"] for s in raw_steps("rank", r) if keep(s["step"]))
+                                 for r in (0, 1))
+    before, after = job(lambda k: k < e.step), job(lambda k: k >= e.step)
     assert (e.step_before_ms, e.step_after_ms) == (pytest.approx(before), pytest.approx(after))
     # rank 1's compute (step - DataLoader - communication) moved by about the injected 20 ms
     comp = [s["dur_ms"] - s["dataloader_ms"] - s["comm_ms"] for s in raw_steps("rank", 1)]
@@ -108,6 +109,46 @@ def test_change_points_on_hand_made_levels(seed):
     assert [abs(c - e) <= 3 for c, e in zip(change_points(two, 20, 20.0), (150, 300))] == [True, True]
 
 
+def test_block_medians_are_the_medians_of_each_five_steps():
+    """The min/max network against numpy's median, with ties and a trailing partial block."""
+    from diagnose.step.changes import BLOCK, _block_medians
+
+    rng = np.random.default_rng(7)
+    for x in (rng.normal(0, 1, 503), rng.integers(0, 3, 1000).astype(float), np.arange(10.0)[::-1]):
+        m = len(x) // BLOCK
+        np.testing.assert_array_equal(_block_medians(x), np.median(x[:m * BLOCK].reshape(m, BLOCK), axis=1))
+
+
+@pytest.mark.parametrize("at", [200, 201, 202, 203, 204])
+def test_a_shift_is_placed_on_its_first_step_whatever_its_place_in_a_block(at):
+    """The search runs on blocks of five steps; the split is then put on the first step at the
+    new level, wherever it falls in its block."""
+    rng = np.random.default_rng(at)
+    x = np.r_[100 + rng.uniform(-1, 1, at), 140 + rng.uniform(-1, 1, 400 - at)]
+    assert change_points(x, 20, 20.0) == [at]
+    x[at - 1] = 140.5  # a lone slow step just before the shift: at most that one step earlier
+    assert change_points(x, 20, 20.0) in ([at], [at - 1])
+
+
+def test_events_from_a_source_read_one_rank_at_a_time():
+    """find_events reads the ranks through a source it calls once, and a second time only when
+    there are events; the result is the same as from the loaded records."""
+    from diagnose.step.changes import find_events, rank_series
+
+    probes = load_probe_data([FIX / "rank"])
+    calls = []
+
+    def source():
+        calls.append(1)
+        return rank_series(probes)
+
+    got = find_events(source, DEFAULT.fail_slow_min_segment, DEFAULT.fail_slow_effect)
+    assert got == events("rank") and len(got) == 1 and len(calls) == 2
+    calls.clear()
+    steady = load_probe_data([FIX / "steady"])
+    assert find_events(lambda: calls.append(1) or rank_series(steady)) == () and len(calls) == 1
+
+
 def test_the_whole_run_chart_is_the_raw_steps_bucketed():
     """What the report draws over the whole run (extras.over_time), against the raw records: per
     bucket of steps, each rank's median step and the job's (median over ranks at each step, then
@@ -132,6 +173,41 @@ def test_the_whole_run_chart_is_the_raw_steps_bucketed():
     slowest = max((0, 1), key=lambda r: statistics.median(raw[r].values()))
     assert list(over_time(probes, max_ranks=1).ranks) == [slowest]
     assert over_time({}) is None
+
+
+def test_the_rank_by_time_heatmap_is_each_ranks_steps_bucketed_against_the_job():
+    """The heatmap's data (extras.over_time.heat) against the raw records: at most HEAT_POINTS
+    buckets, each cell a rank's median own time (step less its collectives) over its bucket; the
+    chart colours each cell by its distance from the median rank's cell of that bucket, so rank 1,
+    slowed from step 150 (its peer waits for it: their steps stay equal), reads hotter after the
+    change than before."""
+    from diagnose.reports.charts import over_time_heatmap
+    from diagnose.step.changes import HEAT_POINTS, over_time
+
+    probes = load_probe_data([FIX / "rank"])
+    raw = {r: {x["step"]: x["dur_ms"] - (x["comm_ms"] or 0.0) for x in raw_steps("rank", r)} for r in (0, 1)}
+    steps = sorted(set(raw[0]) & set(raw[1]))
+    o = over_time(probes)
+    n = steps[-1] - steps[0] + 1
+    assert o.heat_bucket == -(-n // HEAT_POINTS) and len(o.heat_steps) <= HEAT_POINTS and sorted(o.heat) == [0, 1]
+    for i, first in enumerate(o.heat_steps):
+        inside = [s for s in steps if first <= s < first + o.heat_bucket]
+        for r in (0, 1):
+            assert o.heat[r][i] == pytest.approx(statistics.median(raw[r][s] for s in inside), abs=1e-3)
+    extra = {"heat": {"bucket_steps": o.heat_bucket, "steps": list(o.heat_steps),
+                      "ranks": [{"rank": r, "own_ms": list(v)} for r, v in o.heat.items()]}}
+    fig = over_time_heatmap(extra)
+    z = fig.data[0].z
+    rank1 = list(fig.data[0].y).index("rank 1")
+    for i in (0, len(o.heat_steps) - 1):  # two ranks: the median is their mean
+        mid = (o.heat[0][i] + o.heat[1][i]) / 2
+        assert z[rank1][i] == pytest.approx((o.heat[1][i] / mid - 1) * 100, abs=1e-6)
+    before = [v for x, v in zip(o.heat_steps, z[rank1]) if x + o.heat_bucket <= FAULT_STEP]
+    after = [v for x, v in zip(o.heat_steps, z[rank1]) if x > FAULT_STEP + 10]
+    assert statistics.median(after) > statistics.median(before) + 10  # 20 ms more per step, over 10%
+    # nothing drawn from one rank, or from a malformed extra (text from a file is untrusted)
+    assert over_time_heatmap({"heat": {"steps": [1, 2], "ranks": [{"rank": 0, "own_ms": [1.0, 2.0]}]}}) is None
+    assert over_time_heatmap({"heat": "x"}) is None and over_time_heatmap({}) is None
 
 
 def _fail_slow_check(probes):

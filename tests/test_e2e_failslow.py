@@ -67,8 +67,10 @@ def test_a_steady_run_reports_no_change(tmp_path):
 
 
 # rank 1's CPU part must be a large share of its step for a hog sharing its core to show: a
-# larger model, a shorter device wait
-HOG_JOB = ("--steps", "240", "--hidden", "512", "--repeat", "2", "--batch-size", "64", "--device-ms", "20")
+# larger model, a shorter device wait. At --hidden 512 a faster host (2026-12-04: 30 ms steps, not
+# 46) put most of the hog's cost in rank 1's gloo transfer, below the compute floor; at 1024 rank
+# 1's compute went 44.8 -> 68.4 ms per step
+HOG_JOB = ("--steps", "240", "--hidden", "1024", "--repeat", "2", "--batch-size", "64", "--device-ms", "20")
 
 
 def test_a_cpu_hog_on_one_ranks_core_is_found_and_the_cpu_load_moved_with_it(tmp_path):
@@ -80,3 +82,29 @@ def test_a_cpu_hog_on_one_ranks_core_is_found_and_the_cpu_load_moved_with_it(tmp
     m = re.search(r"from step (\d+) .*: rank 1, compute \+.*; with it: (.*)", out)
     assert m and abs(int(m.group(1)) - FROM) <= 3, out
     assert "rank 1" in m.group(2) and "CPU busy" in m.group(2), out
+
+
+def test_capture_on_change_profiles_the_steps_after_the_slowdown(tmp_path):
+    """`diagnose capture --on-change`: asked before the fault starts, it waits for the job to get
+    slower (seen once 20 steps at the new speed are recorded), then profiles the next steps; the
+    captured window shows the slowed rank."""
+    from tests.test_e2e_oncall import profiler_steps, start_job, wait_for_steps
+
+    job = start_job(tmp_path, *JOB[2:], "--steps", "420", "--slow-from-step", str(FROM), "--slow-rank", "1",
+                    "--slow-compute-ms", "40")
+    try:
+        wait_for_steps(tmp_path, 30)
+        res = subprocess.run([sys.executable, "-m", "diagnose.cli", "capture", str(tmp_path), "--on-change", "120",
+                              "--steps", "4", "--timeout", "90"], capture_output=True, text=True, timeout=300,
+                             cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        m = re.search(r"change: from step (\d+) .*: rank 1, compute \+", res.stderr)
+        assert m and abs(int(m.group(1)) - FROM) <= 3, res.stderr
+        cap = next((run_dir(tmp_path) / "traces").glob("capture-*"))
+        s0, s1 = (profiler_steps(cap / f"rank{r}.pt.trace.json.gz") for r in (0, 1))
+        assert s0 == s1 and len(s0) == 4 and min(s0) > FROM + 20, s0
+        d = json.loads((cap / "diagnosis.json").read_text())
+        assert d["findings"] and d["findings"][0]["ranks"] == [1], [(f["id"], f["ranks"]) for f in d["findings"]]
+    finally:
+        out, err = job.communicate(timeout=240)
+    assert job.returncode == 0, err[-3000:]

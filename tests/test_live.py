@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from diagnose.live import render, snapshot
@@ -81,3 +82,62 @@ def test_watch_marks_a_change_of_speed_over_the_whole_record():
     assert view.change.startswith(f"since step {e.step} (") and "rank 1, compute +" in view.change
     assert f"changed: since step {e.step}" in render(view)
     assert snapshot(fix / "steady", window=20).change is None
+
+
+def _replay(src: Path, dst: Path, upto: int) -> list[tuple[Path, list[str]]]:
+    """Copy a recorded run's sidecars and its step lines up to step `upto`; return, per rank
+    file, the lines still to come."""
+    import json
+    import shutil
+
+    rest = []
+    for f in sorted(src.iterdir()):
+        if f.name.endswith(".steps.jsonl"):
+            lines = f.read_text().splitlines(keepends=True)
+            early = [x for x in lines if json.loads(x)["step"] < upto]
+            (dst / f.name).write_text("".join(early))
+            rest.append((dst / f.name, lines[len(early):]))
+        else:
+            shutil.copy(f, dst / f.name)
+    return rest
+
+
+def test_wait_for_change_returns_the_slowdown_once_it_is_recorded(tmp_path):
+    """`capture --on-change`'s wait, on the recorded rank-1 slowdown (from step ~150) replayed as
+    a running job would write it: nothing before the change; the change once its steps arrive."""
+    import threading
+
+    from diagnose.live import slowdowns, wait_for_change
+
+    fix = Path(__file__).parent / "fixtures" / "light_failslow"
+    rest = _replay(fix / "rank", tmp_path, upto=140)
+    assert slowdowns(tmp_path) == ()
+    assert wait_for_change(tmp_path, timeout_s=0.3, poll_s=0.1) is None
+
+    def write_the_rest():
+        time.sleep(0.3)
+        for path, lines in rest:
+            with path.open("a") as f:
+                f.writelines(lines)
+
+    t = threading.Thread(target=write_the_rest)
+    t.start()
+    e = wait_for_change(tmp_path, timeout_s=30, poll_s=0.1, known=())
+    t.join()
+    assert e is not None and abs(e.step - 150) <= 3 and e.ranks == (1,) and e.lost_ms > 0
+    # a change already in the record when the wait begins is not waited for
+    assert wait_for_change(tmp_path, timeout_s=0.2, poll_s=0.1) is None
+
+
+def test_capture_on_change_without_a_slowdown_captures_nothing(tmp_path):
+    from click.testing import CliRunner
+
+    from diagnose.cli import main
+
+    fix = Path(__file__).parent / "fixtures" / "light_failslow"
+    _replay(fix / "steady", tmp_path, upto=10**9)
+    res = CliRunner().invoke(main, ["capture", str(tmp_path), "--on-change", "0.5"])
+    assert res.exit_code == 2 and "no slowdown within 0.5 s: nothing captured" in res.output, res.output
+    assert not list(tmp_path.glob("capture*")) and not list(tmp_path.glob("*.control*"))
+    res = CliRunner().invoke(main, ["capture", str(tmp_path), "--on-change", "-1"])
+    assert res.exit_code == 2 and "--on-change -1" in res.output

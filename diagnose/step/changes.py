@@ -13,16 +13,24 @@ and finds where each series changes level.
 
 Method: binary segmentation on the squared-error cost (the split that most reduces the sum of
 squared deviations from segment means, found with cumulative sums: O(n) per search), recursing
-into both halves, on the series after a running median of MEDIAN_WINDOW steps (one slow step, a
-checkpoint save or a GC pause, is no change of level). A split is kept only when both sides have
-at least `min_segment` steps, the levels differ by at least `min_effect` of the rank's median step
-and MIN_EFFECT_MS, and by Z standard errors (noise taken from the median absolute step-to-step
-difference, robust to the level shift itself). The noise of a shared host makes runs of a few
-steps faster or slower (measured here: phases of 10-20 steps where one rank runs 30% slower); the
-minimum segment and effect keep those from reading as events.
+into both halves. The search runs on the median of each BLOCK steps (one slow step, a checkpoint
+save or a GC pause, is no change of level; and a fifth of the points to search); the split it
+finds is then placed on the first step at the new level within a block either side. A split is
+kept only when both sides have at least `min_segment` steps, the levels (the median of the
+block medians either side) differ by at least `min_effect` of the rank's median step and
+MIN_EFFECT_MS, and by Z standard errors (noise taken from the median absolute step-to-step
+difference, robust to the level shift itself). A change reports the medians of the raw steps
+of the segments either side. The noise of a shared host makes runs of a few steps faster or
+slower (measured here: phases of 10-20 steps where one rank runs 30% slower); the minimum segment and
+effect keep those from reading as events.
 Why not `ruptures`: its binary segmentation runs its cost in Python per candidate split, and the
-issue's scale (1,024 ranks x 100,000 steps) needs the cumulative-sum search over numpy arrays;
-this is that search and nothing more.
+issue's scale (1,024 ranks x 100,000 steps: benchmarks/bench_changes.py) needs the
+cumulative-sum search over numpy arrays; this is that search and nothing more.
+
+Scale: the ranks are read one at a time (`find_events` takes a source of per-rank series), so the
+analysis holds one rank's series, the changes found and one median per rank and segment, not the
+run. The job's step before and after an event is the median over ranks of each rank's median
+step over the segment (a second pass over the ranks, only when there are events).
 
 Changes on different ranks and components within CLUSTER_STEPS of each other are one event. An
 event's cause is the component that moved most among those a rank does itself (compute, the
@@ -39,7 +47,8 @@ missing there and never reads as a move.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -50,7 +59,9 @@ COMPONENTS = ("step_ms", "compute_ms", "dataloader_ms", "comm_ms", "late_ms")
 OWN_WORK = ("compute_ms", "dataloader_ms")
 """What a rank does itself: a change there is a cause; a change in comm_ms or late_ms on the
 others follows from it."""
-MEDIAN_WINDOW = 5
+BLOCK = 5
+"""Steps per block median: the search runs on the median of each five steps."""
+NOISE_STRIDE = 8
 Z = 6.0
 """Standard errors between two levels for a split to count: far beyond what autocorrelated step
 noise gives by chance over tens of steps."""
@@ -146,21 +157,38 @@ class Event:
         return self.step_after_ms - self.step_before_ms
 
 
-def rank_series(probes: dict[int, ProbeData]) -> dict[int, pd.DataFrame]:
-    """Per rank: one row per step (index `step`), the COMPONENTS as columns, and `start`."""
+@dataclass(frozen=True, slots=True)
+class RankSeries:
+    """One rank's whole record as the analysis reads it: one entry per step, ascending."""
+
+    rank: int
+    host: str | None
+    steps: np.ndarray
+    start: np.ndarray
+    """Epoch seconds of each step's start."""
+    values: dict[str, np.ndarray]
+    """COMPONENTS -> ms per step."""
+    telemetry: pd.DataFrame | None = None
+
+
+def rank_series(probes: dict[int, ProbeData]) -> Iterator[RankSeries]:
+    """Each rank's series from the probes' records, one rank at a time."""
     lateness = _lateness(probes)
-    out = {}
     for r, p in probes.items():
         s = p.steps
         if s.empty:
             continue
-        s = s.drop_duplicates("step", keep="last").set_index("step").sort_index()
-        frame = pd.DataFrame({"start": s["start"], "step_ms": s["dur_ms"],
-                              "dataloader_ms": s["dataloader_ms"].fillna(0.0), "comm_ms": s["comm_ms"].fillna(0.0)})
-        frame["compute_ms"] = (frame["step_ms"] - frame["dataloader_ms"] - frame["comm_ms"]).clip(lower=0.0)
-        frame["late_ms"] = lateness.get(r, pd.Series(dtype=float)).reindex(frame.index).fillna(0.0)
-        out[r] = frame
-    return out
+        s = s.drop_duplicates("step", keep="last").sort_values("step")
+        step = s["dur_ms"].to_numpy(dtype=float)
+        loader = s["dataloader_ms"].fillna(0.0).to_numpy(dtype=float)
+        comm = s["comm_ms"].fillna(0.0).to_numpy(dtype=float)
+        steps = s["step"].to_numpy(dtype=np.int64)
+        late = lateness.get(r, pd.Series(dtype=float)).reindex(steps).fillna(0.0).to_numpy(dtype=float)
+        yield RankSeries(rank=r, host=str(p.meta["host"]) if p.meta.get("host") else None, steps=steps,
+                         start=s["start"].to_numpy(dtype=float),
+                         values={"step_ms": step, "compute_ms": np.clip(step - loader - comm, 0.0, None),
+                                 "dataloader_ms": loader, "comm_ms": comm, "late_ms": late},
+                         telemetry=p.telemetry)
 
 
 def _lateness(probes: dict[int, ProbeData]) -> dict[int, pd.Series]:
@@ -177,76 +205,144 @@ def _lateness(probes: dict[int, ProbeData]) -> dict[int, pd.Series]:
     return {int(r): per.xs(r, level="rank") for r in per.index.get_level_values("rank").unique()}
 
 
-def _running_median(x: np.ndarray, w: int) -> np.ndarray:
-    if len(x) < w:
-        return x.copy()
-    pad = w // 2
-    padded = np.concatenate([np.full(pad, x[0]), x, np.full(pad, x[-1])])
-    return np.median(np.lib.stride_tricks.sliding_window_view(padded, w), axis=1)
+def _block_medians(x: np.ndarray) -> np.ndarray:
+    """The median of each run of BLOCK consecutive steps (a trailing partial block is left out):
+    one slow step in five moves nothing. Five strided views and a fixed network of minima and
+    maxima, so it costs a few array passes, not a sort per block."""
+    m = len(x) // BLOCK
+    a, b, c, d, e = (x[i:m * BLOCK:BLOCK] for i in range(BLOCK))
+    # the lowest and the highest of a..d cannot be the median of five; of what is left and e, the middle
+    f = np.maximum(np.minimum(a, b), np.minimum(c, d))
+    g = np.minimum(np.maximum(a, b), np.maximum(c, d))
+    lo, hi = np.minimum(f, g), np.maximum(f, g)
+    return np.maximum(lo, np.minimum(hi, e))
 
 
-def _best_split(y: np.ndarray, min_segment: int) -> tuple[int, float] | None:
-    """(t, mean difference) of the split of y into y[:t], y[t:] that most reduces the squared error."""
+def _best_split(y: np.ndarray, min_segment: int) -> tuple[int, float, float] | None:
+    """(t, mean of y[:t], mean of y[t:]) of the split of y that most reduces the squared error."""
     n = len(y)
     if n < 2 * min_segment:
         return None
     c = np.cumsum(y)
     t = np.arange(min_segment, n - min_segment + 1)
-    left, right = c[t - 1], c[-1] - c[t - 1]
+    left, right = c[t - 1] / t, (c[-1] - c[t - 1]) / (n - t)
     # the reduction of the squared error by a split at t is n_l n_r / n (mean_l - mean_r)^2
-    diff = left / t - right / (n - t)
-    gain = t * (n - t) * diff * diff
-    k = int(np.argmax(gain))
-    return int(t[k]), float(diff[k])
+    diff = left - right
+    k = int(np.argmax(t * (n - t) * diff * diff))
+    return int(t[k]), float(left[k]), float(right[k])
 
 
-def change_points(x: np.ndarray, min_segment: int, min_delta_ms: float) -> list[int]:
+def _refine(x: np.ndarray, lo: int, t0: int, hi: int, min_segment: int, a: float, b: float) -> int:
+    """The first step at the new level near t0 (within a block either side): the split that
+    best separates level a before from level b after, by absolute deviation (robust to one
+    outlier at the edge)."""
+    w0, w1 = max(lo + min_segment, t0 - BLOCK), min(hi - min_segment, t0 + BLOCK)
+    if w0 >= w1:
+        return min(max(t0, lo + min_segment), hi - min_segment)
+    w = x[w0:w1]
+    # moving the split from w0 to t puts x[w0:t] on level a instead of b
+    cost = np.concatenate([[0.0], np.cumsum(np.abs(w - a) - np.abs(w - b))])
+    return w0 + int(np.argmin(cost))
+
+
+def change_points(x: np.ndarray, min_segment: int, min_delta_ms: float, y: np.ndarray | None = None) -> list[int]:
     """Indices where x changes level by min_delta_ms or more (each the first index of a new
-    segment), ascending."""
+    segment), ascending. y: x's block medians, when the caller has them already."""
     x = np.asarray(x, dtype=float)
+    return _segment(x, _block_medians(x) if y is None else y, min_segment, min_delta_ms, {})
+
+
+def _segment(x: np.ndarray, y: np.ndarray, min_segment: int, min_delta_ms: float,
+             levels: dict[tuple[int, int], float]) -> list[int]:
+    """change_points; `levels` collects the level of each segment it measured, (lo, hi) -> ms."""
     if len(x) < 2 * min_segment or not np.isfinite(x).all():
         return []
-    y = _running_median(x, MEDIAN_WINDOW)
-    # noise: step-to-step differences are the noise twice over, and a level shift adds one outlier
-    sigma = float(np.median(np.abs(np.diff(x)))) * 1.4826 / np.sqrt(2.0) if len(x) > 2 else 0.0
+    need = max(min_delta_ms, MIN_EFFECT_MS)
+    seg_blocks = max(1, -(-min_segment // BLOCK))
+    sigma = None
     found: list[int] = []
     todo = [(0, len(x))]
     while todo and len(found) < MAX_CHANGES:
         lo, hi = todo.pop()
-        best = _best_split(y[lo:hi], min_segment)
-        if best is None:
+        bl, bh = -(-lo // BLOCK), hi // BLOCK
+        best = _best_split(y[bl:bh], seg_blocks)
+        # a candidate whose mean levels are not half the effect apart is no change: most series
+        # end here, at the cost of the search alone
+        if best is None or abs(best[2] - best[1]) < need / 2:
             continue
-        t, _ = best
-        a, b = float(np.median(x[lo:lo + t])), float(np.median(x[lo + t:hi]))
-        se = sigma * np.sqrt(1.0 / t + 1.0 / (hi - lo - t))
-        if abs(b - a) >= max(min_delta_ms, MIN_EFFECT_MS) and abs(b - a) >= Z * se:
-            found.append(lo + t)
-            todo += [(lo, lo + t), (lo + t, hi)]
+        t0 = min(max((bl + best[0]) * BLOCK, lo + min_segment), hi - min_segment)
+        if t0 - lo < min_segment or hi - t0 < min_segment:
+            continue
+        t = _refine(x, lo, t0, hi, min_segment, best[1], best[2])
+        a = levels[(lo, t)] = _level(y, lo, t)
+        b = levels[(t, hi)] = _level(y, t, hi)
+        if sigma is None:
+            # noise: step-to-step differences are the noise twice over, and a level shift adds one
+            # outlier; every NOISE_STRIDE-th pair of neighbours estimates it as well as all of them
+            d = x[1::NOISE_STRIDE] - x[:-1:NOISE_STRIDE][:len(x[1::NOISE_STRIDE])]
+            sigma = float(np.median(np.abs(d))) * 1.4826 / np.sqrt(2.0)
+        se = sigma * np.sqrt(1.0 / (t - lo) + 1.0 / (hi - t))
+        if abs(b - a) >= need and abs(b - a) >= Z * se:
+            found.append(t)
+            todo += [(lo, t), (t, hi)]
     return sorted(found)
 
 
+def _level(y: np.ndarray, lo: int, hi: int) -> float:
+    """The level of steps [lo, hi): the median of the block medians wholly inside (robust, and a
+    fifth of the values to select from); of those it touches when none is wholly inside."""
+    a, b = -(-lo // BLOCK), min(hi // BLOCK, len(y))
+    if a >= b:
+        a, b = lo // BLOCK, min(-(-hi // BLOCK), len(y))
+    return float(np.median(y[a:b]))
+
+
 def series_changes(rank: int, component: str, steps: np.ndarray, x: np.ndarray, min_segment: int,
-                   min_delta_ms: float) -> list[Change]:
-    cuts = change_points(x, min_segment, min_delta_ms)
+                   min_delta_ms: float, y: np.ndarray | None = None) -> list[Change]:
+    x = np.asarray(x, dtype=float)
+    y = _block_medians(x) if y is None else y
+    levels: dict[tuple[int, int], float] = {}
+    cuts = _segment(x, y, min_segment, min_delta_ms, levels)
+    if not cuts:
+        return []
     bounds = [0, *cuts, len(x)]
-    out = []
-    for i, cut in enumerate(cuts):
-        before = float(np.median(x[bounds[i]:cut]))
-        after = float(np.median(x[cut:bounds[i + 2]]))
-        out.append(Change(rank=rank, component=component, step=int(steps[cut]), before_ms=before, after_ms=after))
-    return out
+    level = [levels.get((bounds[i], bounds[i + 1])) for i in range(len(bounds) - 1)]
+    level = [_level(y, bounds[i], bounds[i + 1]) if v is None else v for i, v in enumerate(level)]
+    return [Change(rank=rank, component=component, step=int(steps[cut]), before_ms=level[i], after_ms=level[i + 1])
+            for i, cut in enumerate(cuts)]
 
 
 def run_changes(probes: dict[int, ProbeData], min_segment: int = 20, min_effect: float = 0.2) -> tuple[Event, ...]:
     """Every event of the run, in step order (see the module doc)."""
-    series = rank_series(probes)
-    if not series:
+    return find_events(lambda: rank_series(probes), min_segment, min_effect)
+
+
+def find_events(source: Callable[[], Iterable[RankSeries]], min_segment: int = 20,
+                min_effect: float = 0.2) -> tuple[Event, ...]:
+    """Every event of the run, in step order. `source()` yields each rank's series; it is called
+    once, and a second time only when there are events (for the job's step around them and the
+    signals): the analysis holds one rank's series at a time, whatever the rank count."""
+    changes: list[Change] = []
+    starts: dict[tuple[int, int], float] = {}
+    hosts: dict[int, str | None] = {}
+    first = last = None
+    for s in source():
+        if len(s.steps) == 0:
+            continue
+        hosts[s.rank] = s.host
+        first = int(s.steps[0]) if first is None else min(first, int(s.steps[0]))
+        last = int(s.steps[-1]) if last is None else max(last, int(s.steps[-1]))
+        # every component's change is measured against the rank's step: a rank's compute phase 30%
+        # slower is a few percent of a step that also waits, communicates and loads
+        blocks = {comp: _block_medians(np.asarray(s.values[comp], dtype=float)) for comp in COMPONENTS}
+        whole = blocks["step_ms"] if len(blocks["step_ms"]) else s.values["step_ms"]
+        floor = min_effect * float(np.median(whole))
+        for comp in COMPONENTS:
+            for c in series_changes(s.rank, comp, s.steps, s.values[comp], min_segment, floor, blocks[comp]):
+                changes.append(c)
+                starts[(s.rank, c.step)] = float(s.start[np.searchsorted(s.steps, c.step)])
+    if first is None:
         return ()
-    # every component's change is measured against the rank's step: a rank's compute phase 30%
-    # slower is a few percent of a step that also waits, communicates and loads
-    changes = [c for r, f in series.items() for comp in COMPONENTS
-               for c in series_changes(r, comp, f.index.to_numpy(), f[comp].to_numpy(dtype=float), min_segment,
-                                       min_effect * float(f["step_ms"].median()))]
     own = [c for c in changes if c.component in OWN_WORK or c.component == "comm_ms"]
     leads = []
     for cluster in _clusters(sorted(own, key=lambda c: c.step)):
@@ -255,19 +351,32 @@ def run_changes(probes: dict[int, ProbeData], min_segment: int = 20, min_effect:
         same = sorted((c for c in cause_changes if c.component == lead.component
                        and np.sign(c.delta_ms) == np.sign(lead.delta_ms)), key=lambda c: -abs(c.delta_ms))
         leads.append((lead, tuple(dict.fromkeys(c.rank for c in same))))
-    job = pd.concat([f["step_ms"] for f in series.values()], axis=1).median(axis=1).sort_index()
-    cuts = [job.index.min(), *(lead.step for lead, _ in leads), job.index.max() + 1]
+    if not leads:
+        return ()
+    cuts = [first, *(lead.step for lead, _ in leads), last + 1]
+    # the second pass: each rank's median step in each segment between the events, and the signals
+    # of the events' ranks around each event
+    per_segment: list[list[float]] = [[] for _ in range(len(cuts) - 1)]
+    moves: dict[tuple[int, int], list[tuple[float, SignalMove]]] = {}
+    wanted = {r: [i for i, (_, ranks) in enumerate(leads) if r in ranks] for r in hosts}
+    for s in source():
+        if len(s.steps) == 0:
+            continue
+        edges = np.searchsorted(s.steps, cuts)
+        for j in range(len(cuts) - 1):
+            if edges[j + 1] > edges[j]:
+                per_segment[j].append(float(np.median(s.values["step_ms"][edges[j]:edges[j + 1]])))
+        for i in wanted.get(s.rank, ()):
+            moves[(i, s.rank)] = _rank_moves(s.rank, s.host, s.telemetry, cuts[i], leads[i][0].step, cuts[i + 2])
+    job = [float(np.median(v)) if v else float("nan") for v in per_segment]
     events = []
     for i, (lead, ranks) in enumerate(leads):
-        before = job[(job.index >= cuts[i]) & (job.index < cuts[i + 1])]
-        after = job[(job.index >= cuts[i + 1]) & (job.index < cuts[i + 2])]
-        start = series[lead.rank]["start"]
-        events.append(Event(step=lead.step, wall_s=float(start[lead.step]) if lead.step in start.index else None,
-                            cause=lead.component, ranks=ranks, place=_place(ranks, series, probes),
-                            step_before_ms=float(before.median()), step_after_ms=float(after.median()),
-                            cause_delta_ms=lead.delta_ms,
+        found = [m for r in ranks for m in moves.get((i, r), [])]
+        events.append(Event(step=lead.step, wall_s=starts.get((lead.rank, lead.step)),
+                            cause=lead.component, ranks=ranks, place=_place(ranks, hosts),
+                            step_before_ms=job[i], step_after_ms=job[i + 1], cause_delta_ms=lead.delta_ms,
                             changes=tuple(c for c in changes if abs(c.step - lead.step) <= CLUSTER_STEPS),
-                            signals=signal_moves(probes, ranks, cuts[i], lead.step, cuts[i + 2])))
+                            signals=tuple(m for _, m in sorted(found, key=lambda x: -x[0]))))
     return tuple(events)
 
 
@@ -278,28 +387,35 @@ def signal_moves(probes: dict[int, ProbeData], ranks, lo: int, step: int, hi: in
     out = []
     for r in ranks:
         p = probes.get(r)
-        t = p.telemetry if p is not None else None
-        if t is None or t.empty:
-            continue
-        s = t["step"].to_numpy()
-        before, after = t[(s >= lo) & (s < step)], t[(s > step) & (s < hi)]
-        host = str(p.meta["host"]) if p.meta.get("host") else None
-        for sig in ("gpu_throttle", *SIGNAL_FLOORS):
-            if sig not in t:
-                continue
-            a, b = before[sig].dropna(), after[sig].dropna()
-            if len(a) < MIN_SAMPLES or len(b) < MIN_SAMPLES:
-                continue  # missing on this host (no NVML, no /proc), or too few samples
-            if sig == "gpu_throttle":
-                x, y = float(a.mode().iloc[0]), float(b.mode().iloc[0])
-                if x != y:
-                    out.append((float("inf"), SignalMove(sig, r, host, x, y)))
-                continue
-            x, y = float(a.median()), float(b.median())
-            rel = abs(y - x) / max(abs(x), 1e-9)
-            if abs(y - x) >= SIGNAL_FLOORS[sig] and rel >= SIGNAL_REL:
-                out.append((rel, SignalMove(sig, r, host, x, y)))
+        if p is not None:
+            out += _rank_moves(r, str(p.meta["host"]) if p.meta.get("host") else None, p.telemetry, lo, step, hi)
     return tuple(m for _, m in sorted(out, key=lambda x: -x[0]))
+
+
+def _rank_moves(r: int, host: str | None, t: pd.DataFrame | None, lo: int, step: int,
+                hi: int) -> list[tuple[float, SignalMove]]:
+    """signal_moves for one rank: (relative move, move) pairs."""
+    if t is None or t.empty:
+        return []
+    out = []
+    s = t["step"].to_numpy()
+    before, after = t[(s >= lo) & (s < step)], t[(s > step) & (s < hi)]
+    for sig in ("gpu_throttle", *SIGNAL_FLOORS):
+        if sig not in t:
+            continue
+        a, b = before[sig].dropna(), after[sig].dropna()
+        if len(a) < MIN_SAMPLES or len(b) < MIN_SAMPLES:
+            continue  # missing on this host (no NVML, no /proc), or too few samples
+        if sig == "gpu_throttle":
+            x, y = float(a.mode().iloc[0]), float(b.mode().iloc[0])
+            if x != y:
+                out.append((float("inf"), SignalMove(sig, r, host, x, y)))
+            continue
+        x, y = float(a.median()), float(b.median())
+        rel = abs(y - x) / max(abs(x), 1e-9)
+        if abs(y - x) >= SIGNAL_FLOORS[sig] and rel >= SIGNAL_REL:
+            out.append((rel, SignalMove(sig, r, host, x, y)))
+    return out
 
 
 def _clusters(changes: list[Change]) -> list[list[Change]]:
@@ -312,26 +428,33 @@ def _clusters(changes: list[Change]) -> list[list[Change]]:
     return out
 
 
-def _place(ranks: tuple[int, ...], series: dict[int, pd.DataFrame], probes: dict[int, ProbeData]) -> str:
-    every = set(series)
+def _place(ranks: tuple[int, ...], hosts: dict[int, str | None]) -> str:
+    """One rank, the ranks of one host and no other, or every rank (hosts: every rank read -> its host)."""
+    every = set(hosts)
     if len(every) > 1 and set(ranks) == every:
         return "every rank"
-    hosts = {r: str(p.meta.get("host")) for r, p in probes.items() if p.meta.get("host")}
-    if len(set(hosts.values())) > 1 and all(r in hosts for r in every):
-        mine = {hosts[r] for r in ranks}
-        if len(mine) == 1 and {r for r in every if hosts[r] in mine} == set(ranks):
+    known = {r: h for r, h in hosts.items() if h}
+    if len(set(known.values())) > 1 and len(known) == len(every):
+        mine = {known[r] for r in ranks}
+        if len(mine) == 1 and {r for r in every if known[r] in mine} == set(ranks):
             return f"host {next(iter(mine))}"
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 MAX_POINTS = 600
 """Points per line in the report's whole-run chart: steps are taken in buckets beyond this."""
+HEAT_POINTS = 150
+MAX_HEAT_RANKS = 256
+"""The rank-by-time heatmap: at most this many columns (buckets of steps) and rows (ranks; the
+busiest by median own time kept), so a 1,024-rank run's report stays a few hundred KB."""
 
 
 @dataclass(frozen=True, slots=True)
 class OverTime:
     """Every step of the run as the report draws it: per bucket of `bucket` consecutive steps, the
-    median step time of each rank and of the job (median over ranks at each step)."""
+    median step time of each rank and of the job (median over ranks at each step); and each
+    rank's own time per step (less its collectives) in coarser buckets (`heat_bucket`) for the
+    rank-by-time heatmap."""
 
     bucket: int
     steps: tuple[int, ...]
@@ -339,21 +462,43 @@ class OverTime:
     job_ms: tuple[float, ...]
     ranks: dict[int, tuple[float, ...]]
     """At most `max_ranks` ranks, the slowest (by median step) first kept."""
+    heat_bucket: int = 1
+    heat_steps: tuple[int, ...] = ()
+    heat: dict[int, tuple[float | None, ...]] = field(default_factory=dict)
+    """rank -> its median own time per step (the step less its collectives: compute and DataLoader)
+    per heat bucket, at most MAX_HEAT_RANKS ranks, in rank order."""
 
 
 def over_time(probes: dict[int, ProbeData], max_points: int = MAX_POINTS, max_ranks: int = 16) -> OverTime | None:
     """The whole run's step times, bucketed (None: no every-step record)."""
-    series = rank_series(probes)
-    if not series:
+    every = list(rank_series(probes))
+    if not every:
         return None
-    step = pd.concat({r: f["step_ms"] for r, f in series.items()}, axis=1).sort_index()
+    series = {s.rank: pd.Series(s.values["step_ms"], index=s.steps) for s in every}
+    step = pd.concat(series, axis=1).sort_index()
     first, last = int(step.index.min()), int(step.index.max())
-    bucket = max(1, -(-(last - first + 1) // max_points))
-    key = (step.index.to_numpy() - first) // bucket
-    per = step.groupby(key).median()
+    bucket, key, per = _bucketed(step, first, last, max_points)
     job = step.median(axis=1).groupby(key).median()
-    keep = sorted(series, key=lambda r: -float(series[r]["step_ms"].median()))[:max_ranks]
+    by_median = sorted(series, key=lambda r: -float(series[r].median()))
+    # the heatmap shows each rank's own time (the step less its collectives): in synchronous
+    # training every rank's step is the slowest rank's, so step times would colour every row alike
+    own = {s.rank: pd.Series(s.values["step_ms"] - s.values["comm_ms"], index=s.steps) for s in every}
+    keep = sorted(own, key=lambda r: -float(own[r].median()))[:MAX_HEAT_RANKS]
+    hb, _, heat = _bucketed(pd.concat({r: own[r] for r in sorted(keep)}, axis=1).sort_index(), first, last,
+                            HEAT_POINTS)
     return OverTime(bucket=bucket, steps=tuple(int(first + k * bucket) for k in per.index),
                     job_ms=tuple(round(float(v), 3) for v in job.to_numpy()),
-                    ranks={r: tuple(None if np.isnan(v) else round(float(v), 3) for v in per[r].to_numpy())
-                           for r in sorted(keep)})
+                    ranks={r: _rounded(per[r]) for r in sorted(by_median[:max_ranks])},
+                    heat_bucket=hb, heat_steps=tuple(int(first + k * hb) for k in heat.index),
+                    heat={r: _rounded(heat[r]) for r in heat.columns})
+
+
+def _bucketed(step: pd.DataFrame, first: int, last: int, points: int) -> tuple[int, np.ndarray, pd.DataFrame]:
+    """(steps per bucket, each step's bucket, per bucket each column's median) for at most `points` buckets."""
+    bucket = max(1, -(-(last - first + 1) // points))
+    key = (step.index.to_numpy() - first) // bucket
+    return bucket, key, step.groupby(key).median()
+
+
+def _rounded(col: pd.Series) -> tuple[float | None, ...]:
+    return tuple(None if np.isnan(v) else round(float(v), 3) for v in col.to_numpy())
