@@ -1,43 +1,78 @@
 #!/usr/bin/env bash
-# Prepared device check (run with the `device` tool when a task is lent a GPU; never in CI).
-# Records real CUDA/NCCL traces through the probes on one GPU and checks their CUDA paths:
-#   1. a plain single-process run (CUDA kernels, no collectives)
-#   2. a 1-rank torchrun DDP job on NCCL (ncclDevKernel_* kernels, DDP bucket timed by CUDA events)
-# then diagnoses both. Outputs land in $OUT (traces, diagnosis.json, a summary).
-# The device image has torch but not orjson/plotly: carry their wheels in .whl/ (see the device
-# README) and name .whl in `carry`.
+# The prepared device run (with the `device` tool when a task is lent a GPU; never in CI). One
+# command, three parts side by side on the machine's cores:
+#   1. GPU (cores 0-5): examples/gpu_idle.py under `diagnose run` once per injected idle cause
+#      (the labelled fixtures tests/fixtures/gpu_h200: RECORD picks others), the DataLoader
+#      cause's num_workers=4 twin, and a 1-rank torchrun DDP job on NCCL (DDP=0: not); every run
+#      samples telemetry (NVML) every 0.5 s. Traces, sidecars, step logs, telemetry and
+#      diagnosis.json come back in fixtures.tar.gz.
+#   2. benchmarks/bench_whatif.py --repeats 3 on the CPU (cores 6-10, gloo): a quiet host with
+#      more cores than the 2-core development VM.
+#   3. benchmarks/bench_verdicts.py --repeat 10 on the CPU (cores 11-15). BENCH=0: neither.
+# 2026-12-04: parts 1 took 2.5 min, 2 and 3 were cut at their 300 s (README: what-if table).
+# Needs: the device image's torch; orjson, msgspec and plotly as wheels in .whl/ (name .whl in
+# `carry`):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl orjson msgspec plotly
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+W=/tmp/gpu-work
+mkdir -p "$OUT" "$W/fixtures"
+export PYTHONUNBUFFERED=1 DIAGNOSE_TELEMETRY_S=0.5
+export OUT W RECORD DDP
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+  {
+    python3 -m pip install -q --no-index --no-deps .whl/*.whl &&
+    { python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . ||
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation .; }
+  } >"$OUT/install.log" 2>&1 || { echo "install failed"; tail -20 "$OUT/install.log"; exit 3; }
 fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+nproc; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.nccl.version())" | tee -a "$OUT/gpu.txt"
-python3 -m diagnose.cli run --out "$OUT/single" -- python3 examples/train_ddp.py --steps 14 2>&1 | tail -20 | tee "$OUT/single.txt"
-python3 -m diagnose.cli run --out "$OUT/ddp" -- python3 -m torch.distributed.run --nproc_per_node=1 \
-  examples/train_ddp.py --steps 14 2>&1 | tail -20 | tee "$OUT/ddp.txt"
-python3 - "$OUT" <<'PY' | tee "$OUT/checks.txt"
-import gzip, json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-for run in ("single", "ddp"):
-    t = out / run / "traces"
-    traces = sorted(t.glob("rank*.pt.trace.json.gz"))
-    ev = json.load(gzip.open(traces[0]))["traceEvents"] if traces else []
-    kernels = [e for e in ev if e.get("cat") == "kernel"]
-    nccl = [e for e in kernels if "nccl" in e.get("name", "").lower()]
-    side = json.loads((t / "rank0.probe.json").read_text())
-    steps = [json.loads(l) for l in (t / "rank0.steps.jsonl").read_text().splitlines()]
-    colls = [c for s in steps for c in s["collectives"]]
-    d = json.loads((out / run / "diagnosis.json").read_text())
-    print(run, {"traces": len(traces), "kernels": len(kernels), "nccl_kernels": len(nccl),
-                "device": side["meta"].get("device_name"), "nccl": side["meta"].get("nccl"),
-                "disabled_parts": side["disabled_parts"], "collectives_timed": len(colls),
-                "collective_ms_positive": all(c[2] > 0 for c in colls), "run_device": d["run"]["device"],
-                "top": d["findings"][0]["id"] if d["findings"] else None})
-PY
+
+record() {  # NAME SCHEDULE ARGS...: one run under the probes, kept as fixture gpu_NAME
+  local name=$1 schedule=$2; shift 2
+  local t0=$SECONDS
+  timeout 150 python3 -m diagnose.cli run --out "$W/runs/$name" --schedule "$schedule" -- "$@" >"$W/$name.txt" 2>&1
+  local rc=$?
+  local run; run=$(ls -d "$W/runs/$name"/*/ 2>/dev/null | head -1)
+  echo "$name rc=$rc $((SECONDS - t0)) s run=$run"
+  if [ -n "$run" ]; then
+    mkdir -p "$W/fixtures/gpu_$name"
+    cp -r "$run/traces" "$W/fixtures/gpu_$name/" 2>/dev/null
+    cp "$run/diagnosis.json" "$W/fixtures/gpu_$name/" 2>/dev/null
+    grep -v '^\s*$' "$W/$name.txt" | tail -40 >"$W/fixtures/gpu_$name/run.txt"
+  fi
+}
+
+gpu_part() {  # RECORD: the recordings to make, NAME=ARGS;... (default: every labelled fixture)
+  local default="none=--cause none;tiny-kernels=--cause tiny-kernels;pageable-copy=--cause pageable-copy"
+  default+=";pinned-copy=--cause pinned-copy;item-sync=--cause item-sync;stream-wait=--cause stream-wait"
+  default+=";cuda-graph=--cause cuda-graph;host-stall=--cause host-stall"
+  default+=";dataloader=--cause dataloader --steps 30;dataloader_nw4=--cause dataloader --steps 30 --num-workers 4"
+  local item name rest schedule
+  IFS=';' read -ra items <<<"${RECORD:-$default}"
+  for item in "${items[@]}"; do
+    name=${item%%=*} rest=${item#*=} schedule=2,2,5
+    if [[ $rest == schedule:* ]]; then  # NAME=schedule:W,U,A ARGS: another profiler window
+      schedule=${rest%% *} rest=${rest#* }
+      schedule=${schedule#schedule:}
+    fi
+    # shellcheck disable=SC2086
+    record "$name" "$schedule" python3 examples/gpu_idle.py $rest
+  done
+  if [ "${DDP:-1}" = 1 ]; then
+    record ddp_nccl 2,2,5 python3 -m torch.distributed.run --nproc_per_node=1 examples/train_ddp.py --steps 14
+  fi
+  tar -C "$W/fixtures" -czf "$OUT/fixtures.tar.gz" .
+  ls -la "$OUT"
+}
+
+export -f record gpu_part
+if [ "${BENCH:-1}" = 1 ]; then
+(CUDA_VISIBLE_DEVICES= taskset -c 6-10 timeout 300 python3 benchmarks/bench_whatif.py --repeats 3 >"$OUT/whatif.txt" 2>&1; echo "whatif rc=$?" >>"$OUT/whatif.txt") &
+(CUDA_VISIBLE_DEVICES= taskset -c 11-15 timeout 300 python3 benchmarks/bench_verdicts.py --repeat 10 >"$OUT/verdicts.txt" 2>&1; echo "verdicts rc=$?" >>"$OUT/verdicts.txt") &
+fi
+taskset -c 0-5 bash -c gpu_part 2>&1 | tee "$OUT/record.log"
+wait
+tail -n 12 "$OUT/whatif.txt" "$OUT/verdicts.txt" 2>/dev/null || true  # absent with BENCH=0

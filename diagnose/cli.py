@@ -335,7 +335,7 @@ def changes(run_dir: Path) -> None:
     from diagnose.analyzers.fail_slow import describe
     from diagnose.oncall import probe_dir
     from diagnose.probedata import load_probe_data
-    from diagnose.step.changes import run_changes
+    from diagnose.step.changes import host_timed_gpu_ranks, run_changes
     from diagnose.thresholds import DEFAULT
 
     try:
@@ -356,6 +356,12 @@ def changes(run_dir: Path) -> None:
         click.echo("  none: the job ran at one speed")
     for e in events:
         click.echo(one_line("  " + describe(e)))
+    untimed = host_timed_gpu_ranks(probes)
+    if untimed and any(e.lost_ms > 0 for e in events):
+        click.echo(one_line(f"  note: rank(s) {', '.join(map(str, untimed))} ran on CUDA and their record times the "
+                            "host only (probes before device step timing): a host with no sync in its loop runs "
+                            "ahead of its device until the launch queue fills, so a change to a slower step may be "
+                            "that, not a slowdown (`diagnose analyze` of the run's traces tells)"))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

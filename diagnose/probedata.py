@@ -42,7 +42,7 @@ READ_BLOCK = 1 << 20
 BATCH_LINES = 4096
 MAX_TELEMETRY_LINES = 100_000
 """Host and device samples kept per rank, the newest (2 days at the probes' one per 2 s)."""
-STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "comm_ms"]
+STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "comm_ms", "device_ms"]
 COLLECTIVE_COLUMNS = ["step", "seq", "name", "arrival", "dur_ms", "bytes", "group"]
 
 
@@ -51,7 +51,8 @@ class ProbeData:
     rank: int
     meta: dict
     steps: pd.DataFrame
-    """step, start (epoch s), dur_ms, dataloader_ms, comm_ms; warm-up step 0 excluded."""
+    """step, start (epoch s), dur_ms (the host's), dataloader_ms, comm_ms, device_ms (the step as
+    the device ran it, CUDA ranks; NaN where not timed); warm-up step 0 excluded."""
     collectives: pd.DataFrame
     """step, seq, name, arrival (epoch s), dur_ms, bytes, group."""
     partial: bool = False
@@ -59,6 +60,16 @@ class ProbeData:
     telemetry: pd.DataFrame = field(default_factory=pd.DataFrame)
     """wall (epoch s), step, and TELEMETRY_SIGNALS, one row per sample in time order (probes/telemetry.py);
     empty without the file."""
+
+
+def job_step_ms(steps: pd.DataFrame) -> np.ndarray:
+    """Each step's time as the job ran it: the device's where the probes timed it (a host that
+    runs ahead of its device ends its steps early: probes/device_steps.py), else the host's."""
+    host = steps["dur_ms"].to_numpy(dtype=float)
+    if "device_ms" not in steps:
+        return host
+    dev = steps["device_ms"].to_numpy(dtype=float)
+    return np.where(np.isfinite(dev), dev, host)
 
 
 def sane_world_size(value) -> int | None:
@@ -98,13 +109,14 @@ class _Columns:
     """Step records parsed straight into typed columns (no dict kept per step)."""
 
     __slots__ = ("step", "start", "dur", "dl", "comm", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
-                 "c_bytes", "c_group", "codes")
+                 "c_bytes", "c_group", "d_step", "d_ms", "codes")
 
     def __init__(self, codes: dict[str, int]) -> None:
         self.step, self.c_step = array("q"), array("q")
         self.start, self.dur, self.dl, self.comm = array("d"), array("d"), array("d"), array("d")
         self.c_seq, self.c_name, self.c_group = array("q"), array("q"), array("q")
         self.c_arrival, self.c_dur, self.c_bytes = array("d"), array("d"), array("d")
+        self.d_step, self.d_ms = array("q"), array("d")  # earlier steps as the device ran them
         self.codes = codes  # shared string table: a collective's name and group are stored once
 
     def _code(self, s: str) -> int:
@@ -128,6 +140,13 @@ class _Columns:
         self.dur.append(dur)
         self.dl.append(as_number(r.get("dataloader_ms")))
         self.comm.append(as_number(r.get("comm_ms")))
+        dev = r.get("device_ms")
+        if isinstance(dev, list):
+            for d in dev[:4096]:
+                if (isinstance(d, list) and len(d) == 2 and isinstance(d[0], int) and not isinstance(d[0], bool)
+                        and 0 < d[0] < MAX_STEP and as_number(d[1]) >= 0):
+                    self.d_step.append(d[0])
+                    self.d_ms.append(as_number(d[1]))
         colls = r.get("collectives")
         if not isinstance(colls, list):
             return
@@ -160,7 +179,16 @@ def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame
 
     steps = pd.DataFrame({"step": col("step", np.int64), "start": col("start", np.float64),
                           "dur_ms": col("dur", np.float64), "dataloader_ms": col("dl", np.float64),
-                          "comm_ms": col("comm", np.float64)}, columns=STEP_COLUMNS, copy=False)
+                          "comm_ms": col("comm", np.float64)}, columns=STEP_COLUMNS[:-1], copy=False)
+    d_step, d_ms = col("d_step", np.int64), col("d_ms", np.float64)
+    device = np.full(len(steps), np.nan)
+    if d_step.size and len(steps):
+        # a step's device time arrives in a later step's record: matched by step number (the last
+        # reading of a step wins, as the last record of a step does)
+        timed = pd.Series(d_ms, index=d_step)
+        timed = timed[~timed.index.duplicated(keep="last")]
+        device = timed.reindex(steps["step"].to_numpy()).to_numpy(dtype=np.float64)
+    steps["device_ms"] = device
     names = np.array(list(codes), dtype=object)
     c_step = col("c_step", np.int64)
     if not len(c_step):

@@ -28,11 +28,13 @@ import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from diagnose.errors import DiagnoseError
 from diagnose.model import Diagnosis
 from diagnose.ingest.assemble import Reader
 from diagnose.pipeline import diagnose_paths
-from diagnose.probedata import load_probe_data
+from diagnose.probedata import job_step_ms, load_probe_data
 from diagnose.rundir import resolve_run
 
 CAUSES = ("dataloader_starvation", "input_stall", "exposed_communication", "straggler", "launch_overhead")
@@ -109,7 +111,7 @@ def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None]:
         steps = p.steps[p.steps["step"] > skip]
         if len(steps) < 3:
             steps = p.steps
-        per_rank.append(float(steps["dur_ms"].median()))
+        per_rank.append(float(np.median(job_step_ms(steps))))
         b = (p.meta.get("dataloader") or {}).get("batch_size")
         batch = b if isinstance(b, int) else batch
     return (statistics.median(per_rank) if per_rank else None), batch

@@ -6,7 +6,8 @@ may diverge; a probe must not be what hangs them). Every failure is logged once,
 and the failing part switches itself off while training continues.
 
 Files written in `out_dir` (all per rank, all atomic or append-only):
-- `rank{R}.steps.jsonl`  one JSON line per step, flushed every step (survives a killed rank)
+- `rank{R}.steps.jsonl`  one JSON line per step, flushed every step (survives a killed rank); on
+  CUDA ranks it also carries earlier steps as the device ran them (`device_ms`)
 - `rank{R}.probe.json`   run metadata + summary, rewritten atomically (temp file + rename)
 - `rank{R}.{stamp}.pt.trace.json.gz`  torch.profiler traces of the scheduled windows
 
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .device_steps import DeviceSteps
 from .safefs import SafeDir
 
 log = logging.getLogger("diagnose.probes")
@@ -104,6 +106,9 @@ class StepRecord:
     spans: list = field(default_factory=list)
     """[kind, name, offset ms from step start, duration ms, info dict] for other timed work
     (checkpoint saves, host syncs, ...)."""
+    device: list = field(default_factory=list)
+    """[step, ms] for earlier steps as the device ran them, read during this one (CUDA ranks:
+    probes/device_steps.py)."""
 
 
 def _in_flight_ms(colls: list) -> float:
@@ -141,6 +146,7 @@ class Probe:
         self._colls: list = []
         self._spans: list = []
         self._pending_cuda: list = []
+        self._device_steps = DeviceSteps()
         self._lock = threading.Lock()  # comm-hook futures complete on other threads
         self._failed: set[str] = set()
         self._steps_file = None
@@ -231,6 +237,16 @@ class Probe:
         except Exception as exc:  # noqa: BLE001
             self._fail("cuda timing", exc)
 
+    def _device_timing(self) -> list:
+        """Earlier steps as the device ran them, read now (never waited for)."""
+        if not self.ok("device timing"):
+            return []
+        try:
+            return self._device_steps.resolved()
+        except Exception as exc:  # noqa: BLE001
+            self._fail("device timing", exc)
+            return []
+
     def on_span(self, kind: str, name: str, start: float, end: float, **info) -> None:
         """Any other timed work inside the step (start/end: time.perf_counter())."""
         try:
@@ -245,13 +261,14 @@ class Probe:
         """Step boundary (after optimizer.step, or the user's `w.step()`)."""
         now = time.perf_counter()
         self._resolve_cuda()
+        device = self._device_timing()
         try:
             with self._lock:
                 dur_ms = (now - self._t0) * 1000.0
                 comm = min(_in_flight_ms(self._colls) + self._comm_ms, dur_ms)
                 rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round(dur_ms, 4),
                                  dataloader_ms=round(self._dl_ms, 4), comm_ms=round(comm, 4),
-                                 collectives=self._colls, spans=self._spans)
+                                 collectives=self._colls, spans=self._spans, device=device)
                 self._colls = []
                 self._spans = []
             self._write_step(rec)
@@ -262,6 +279,11 @@ class Probe:
             s["step_ms"] += rec.dur_ms
         except Exception as exc:  # noqa: BLE001
             self._fail("step log", exc)
+        if self.ok("device timing"):
+            try:
+                self._device_steps.mark(self.step)
+            except Exception as exc:  # noqa: BLE001
+                self._fail("device timing", exc)
         self._profiler_step()
         self.step += 1
         if self.step == 1:
@@ -346,7 +368,8 @@ class Probe:
         f = self._steps_file
         f.write(json.dumps({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
                             rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
-                            **({"spans": rec.spans} if rec.spans else {})},
+                            **({"spans": rec.spans} if rec.spans else {}),
+                            **({"device_ms": rec.device} if rec.device else {})},
                            separators=(",", ":")) + "\n")
         f.flush()  # one write syscall per step: a killed rank leaves every finished step readable
 

@@ -5,8 +5,10 @@ Estimation (dataloader_starvation): per rank, the mean per-step time spent in
 traces) or that blocks the training thread (CPU traces); the job-level figure is
 the worst rank's, since every other rank waits for it at the next collective.
 
-Estimation (input_stall): on GPU traces, host-to-device copies not overlapped by
-any kernel, per step (pageable or synchronous copies that stall the device).
+Estimation (input_stall): on GPU traces, per step, the time the device copies pageable host
+memory with no kernel alongside (RankTimeline.input_copies: such a copy runs at the host's staging
+speed and blocks the host), and, replayed, the idle gaps the device spends waiting on an input
+copy (the idle model's input class).
 """
 from __future__ import annotations
 
@@ -16,11 +18,10 @@ import numpy as np
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
-from diagnose.ingest.load import KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY, RankTrace
+from diagnose.ingest.load import KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
-from diagnose.step import idle
-from diagnose.step.intervals import covered, subtract, union
-from diagnose.step.timeline import DATALOADER, RankTimeline, _names_matching
+from diagnose.step.intervals import covered
+from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _names_matching
 from diagnose.thresholds import Thresholds
 
 TITLE = "Dataloader starvation"
@@ -38,7 +39,7 @@ class RankInput:
 
     wait_rows: tuple[int, ...]
     h2d_exposed_ms: float
-    """Mean per-step time a host-to-device copy runs with no kernel alongside (0 without copies)."""
+    """Mean per-step time a pageable host-to-device copy runs with no kernel alongside (0 without)."""
     h2d_rows: tuple[int, ...]
 
     @property
@@ -50,12 +51,9 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
     ev = trace.events
     waits = ev[_names_matching(ev, DATALOADER)].nlargest(3, "dur")
     exposed_ms, h2d_rows = 0.0, ()
-    cp = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, idle.H2D)]
-    if len(cp):
-        kernels = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
-        exposed = subtract(union(cp["ts"], cp["ts"] + cp["dur"]),
-                           union(kernels["ts"], kernels["ts"] + kernels["dur"]))
-        exposed_ms = float(np.mean(covered(exposed, tl.steps["start"], tl.steps["end"]))) / 1000
+    cp = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, PAGEABLE_H2D)]
+    if len(cp) and len(tl.steps):
+        exposed_ms = float(np.mean(covered(tl.input_copies, tl.steps["start"], tl.steps["end"]))) / 1000
         h2d_rows = tuple(int(i) for i in cp.nlargest(2, "dur").index)
     return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows)
 
@@ -127,7 +125,8 @@ def _input_stall(ctx: Context, th: Thresholds) -> Check:
         share_of_step=round(share, 4), ranks=(worst,),
         metrics={"exposed_h2d_ms_per_step": round(ms, 3), "share_of_step": round(share, 4)},
         events=tuple(refs[:6]), fix=FIX_STALL, confidence=confidence_for(ctx, "medium"),
-        method="Mean per-step host-to-device copy time during which no kernel runs, on the worst rank.")
+        method="Mean per-step time the device copies pageable host memory with no kernel running, on the "
+        "worst rank.")
     return flag_or_pass(f, th.input_stall, th, f"host-to-device copies stall the device {ms:.2f} ms per step", ctx)
 
 

@@ -55,6 +55,50 @@ def describe(e: Event) -> str:
     return text
 
 
+def queue_filled(e: Event, ctx: Context, th: Thresholds) -> float | None:
+    """The device's step (ms) when a slowdown in the host's record is the host's launch queue
+    filling up, else None. A host with no sync in its loop runs ahead of its device, ending steps
+    faster than the device runs them, until the queue is full; then its steps take the device's
+    time (recorded on an H200: 1.9 -> 12.5 ms at step 280, the device at 12.7 ms throughout).
+    Records written by probes that time the device (`device_ms`) never show this; for older ones,
+    the trace decides: every rank of the change ran ahead of its device in profiled steps before
+    the change, and the level after the change is the device's step there, within
+    fail_slow_effect."""
+    paces = []
+    for r in e.ranks:
+        tl = ctx.run.timelines.get(r)
+        p = ctx.probes.get(r)
+        if tl is None or not tl.device_timed or p is None or len(tl.steps) == 0:
+            return None
+        if "device_ms" in p.steps and p.steps["device_ms"].notna().any():
+            return None  # the record has the device's time: its change is real
+        if int(tl.steps["step"].max()) >= e.step:
+            return None
+        paces.append(float((tl.steps["end"] - tl.steps["start"]).mean()) / 1000)
+    if not paces:
+        return None
+    pace = max(paces)
+    if e.step_before_ms < pace * (1 - th.fail_slow_effect) and abs(e.step_after_ms - pace) <= th.fail_slow_effect * pace:
+        return pace
+    return None
+
+
+def host_ran_ahead(e: Event, ctx: Context) -> str | None:
+    """Why the change may be no slowdown at all, when the record cannot tell: a rank of it ran
+    ahead of its device in the profiled steps and its record has the host's step times only."""
+    for r in e.ranks:
+        tl, p = ctx.run.timelines.get(r), ctx.probes.get(r)
+        if tl is None or p is None or not tl.device_timed or len(tl.steps) == 0:
+            continue
+        if "device_ms" in p.steps and p.steps["device_ms"].notna().any():
+            continue
+        pace = float((tl.steps["end"] - tl.steps["start"]).mean()) / 1000
+        return (f"rank {r} ran ahead of its device in the profiled steps (the device at {pace:.1f} ms per step): "
+                "its record times the host, so a change to about the device's step may be its launch queue "
+                "filling up, not a slowdown (probes from this version time the device's steps too)")
+    return None
+
+
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     probes = {r: p for r, p in ctx.probes.items() if not p.steps.empty}
     if not probes:
@@ -66,6 +110,14 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                                f"{th.fail_slow_min_segment} steps on either side")]
     events = run_changes(probes, th.fail_slow_min_segment, th.fail_slow_effect)
     slower = [e for e in events if e.lost_ms > 0]
+    filled = [(e, pace) for e in slower if (pace := queue_filled(e, ctx, th)) is not None]
+    slower = [e for e in slower if all(e is not x for x, _ in filled)]
+    if not slower and filled:
+        e, pace = filled[0]
+        return [passed(ID, TITLE, f"the host's steps got longer from step {e.step} ({e.step_before_ms:.1f} -> "
+                       f"{e.step_after_ms:.1f} ms), but the device already ran {pace:.1f} ms per step in the "
+                       "profiled steps before it: the host ran ahead of the device until its launch queue "
+                       "filled; the job did not slow down")]
     if not slower:
         faster = f" ({len(events)} change(s) to a faster step)" if events else ""
         return [passed(ID, TITLE, f"steady over {n} steps on {len(probes)} rank(s): no slowdown of "
@@ -79,6 +131,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     }
     for c in e.changes:
         metrics[f"rank{c.rank}_{c.component}_delta_ms"] = round(c.delta_ms, 3)
+    ahead = host_ran_ahead(e, ctx)
+    if ahead:
+        metrics["note"] = ahead
     if e.signals:
         metrics["signals_moved"] = "; ".join(m.text for m in e.signals[:MAX_SIGNALS])
     elif any(not p.telemetry.empty for p in probes.values()):
@@ -96,9 +151,11 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     f = Finding(id=ID, title=title, severity=th.severity(share), recoverable_ms=round(e.lost_ms, 3),
                 share_of_step=round(share, 4), ranks=e.ranks, metrics=metrics, events=(),
                 fix=FIX.get(e.cause, FIX["compute_ms"]),
-                confidence="high" if min(e.step - first, last - e.step + 1) >= 3 * th.fail_slow_min_segment
-                else "medium",
+                confidence="low" if ahead else "high"
+                if min(e.step - first, last - e.step + 1) >= 3 * th.fail_slow_min_segment else "medium",
                 method="The job's step time (median over ranks, every step from the probes' record) after the "
                        "change minus before it, per step since the change (binary segmentation of each rank's "
                        "step components: diagnose/step/changes.py); its share is of the step since the change.")
-    return [flag_or_pass(f, th.fail_slow, th, describe(e))]
+    said = describe(e) + (f"; perhaps no slowdown: {ahead.split(': its record')[0]}, and the record times the "
+                          "host: its launch queue may have filled up" if ahead else "")
+    return [flag_or_pass(f, th.fail_slow, th, said)]

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from diagnose.probedata import ProbeData
+from diagnose.probedata import ProbeData, job_step_ms
 
 COMPONENTS = ("step_ms", "compute_ms", "dataloader_ms", "comm_ms", "late_ms")
 OWN_WORK = ("compute_ms", "dataloader_ms")
@@ -179,7 +179,7 @@ def rank_series(probes: dict[int, ProbeData]) -> Iterator[RankSeries]:
         if s.empty:
             continue
         s = s.drop_duplicates("step", keep="last").sort_values("step")
-        step = s["dur_ms"].to_numpy(dtype=float)
+        step = job_step_ms(s)  # the device's where timed: a host running ahead is no fast job
         loader = s["dataloader_ms"].fillna(0.0).to_numpy(dtype=float)
         comm = s["comm_ms"].fillna(0.0).to_numpy(dtype=float)
         steps = s["step"].to_numpy(dtype=np.int64)
@@ -189,6 +189,13 @@ def rank_series(probes: dict[int, ProbeData]) -> Iterator[RankSeries]:
                          values={"step_ms": step, "compute_ms": np.clip(step - loader - comm, 0.0, None),
                                  "dataloader_ms": loader, "comm_ms": comm, "late_ms": late},
                          telemetry=p.telemetry)
+
+
+def host_timed_gpu_ranks(probes: dict[int, ProbeData]) -> list[int]:
+    """CUDA ranks whose record has only the host's step times (probes before device timing): on
+    them a change to a slower step may be the host's launch queue filling up, not a slowdown."""
+    return sorted(r for r, p in probes.items() if str(p.meta.get("device", "")).startswith("cuda")
+                  and not ("device_ms" in p.steps and p.steps["device_ms"].notna().any()))
 
 
 def _lateness(probes: dict[int, ProbeData]) -> dict[int, pd.Series]:

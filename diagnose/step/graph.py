@@ -52,9 +52,11 @@ from diagnose.step.intervals import Intervals, covered, intersect, subtract, uni
 
 # node kinds, in the order they are processed at equal times
 STEP_START, ARRIVAL, COLL_END, RESUME, STEP_END = range(5)
-# lane composition columns: DataLoader wait, the idle model's classes, waiting on a transfer no
-# collective end explains, the rest last
-PARTS = ("dataloader",) + tuple(f"idle_{c}" for c in CLASSES) + ("comm_wait", "compute")
+# lane composition columns: DataLoader wait, the idle model's classes, pageable input copies,
+# waiting on a transfer no collective end explains, the rest last
+PARTS = ("dataloader",) + tuple(f"idle_{c}" for c in CLASSES) + ("input_copy", "comm_wait", "compute")
+"""input_copy: device time on pageable input copies with no kernel alongside (busy, not idle:
+RankTimeline.input_copies)."""
 DL, COMPUTE = 0, len(PARTS) - 1
 # edge categories on the critical path
 LANE, TRANSFER, ORDER = range(3)
@@ -184,7 +186,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         blocked, dl = _shift(blocked, off), _shift(dl, off)
         gaps = _idle_sets(run.idle.get(r), off, float(lo.min()) - off, float(hi.max()) - off)
         idle_sets = [subtract(s, dl) for s in gaps]
-        parts_sets[r] = [dl, *idle_sets]
+        parts_sets[r] = [dl, *idle_sets, _shift(tl.input_copies, off)]
         for s, a, b in zip(steps, lo, hi):
             add(r, STEP_START, float(a), int(s), ("start", int(s)))
             add(r, STEP_END, float(b), int(s), ("end", int(s)))

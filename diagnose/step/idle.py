@@ -19,8 +19,9 @@ Contract. `idle_model(trace, timeline, th)` is a pure function of one GPU rank's
      queued work at once, so long ones mean events are missing).
   3. sync: the launching thread was inside a synchronising call when the device went idle
      (`host_sync.SYNC_CALL`, or a `cudaMemcpyAsync` whose copy names a `Pageable` side).
-  4. input: the ending event is a host-to-device copy (the host was in a blocking copy);
-     else the part of the gap under a DataLoader `__next__` span.
+  4. input: the ending event is a host-to-device copy whose call began before the device went
+     idle (the host was in a blocking copy); else the part of the gap under a DataLoader
+     `__next__` span. A copy called after the gap began is a late launch (rule 5).
   5. launch: the rest of a linked gap: the device waited for a launch issued after the gap
      began. `long` marks gaps over `th.launch_gap_long_us` (host-op stalls, not launch rate).
   6. unattributed: no device event ends the gap, or its launch is not in the trace.
@@ -42,7 +43,7 @@ from diagnose.ingest.load import (KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP
                                   KIND_MEMSET, KIND_RUNTIME, RankTrace)
 from diagnose.step.intervals import Intervals, covered, intersect, union
 from diagnose.thresholds import DEFAULT, Thresholds
-from diagnose.step.timeline import PROFILER_STEP, RankTimeline, _names_matching
+from diagnose.step.timeline import H2D, PROFILER_STEP, RankTimeline, _names_matching
 
 CLASSES = ("latency", "queued", "sync", "input", "launch", "unattributed")
 LATENCY, QUEUED, SYNC, INPUT, LAUNCH, UNATTRIBUTED = range(len(CLASSES))
@@ -54,7 +55,6 @@ SYNC_CALL = re.compile(
     r"MemcpyHtoD|MemcpyFromSymbol|MemcpyToSymbol)$|^cu(StreamSynchronize|CtxSynchronize|EventSynchronize|"
     r"MemcpyDtoH|MemcpyHtoD)(_v2)?$")
 PAGEABLE = re.compile(r"Pageable")
-H2D = re.compile(r"HtoD|Host to Device|H2D", re.IGNORECASE)
 GRAPH_LAUNCH = re.compile(r"GraphLaunch")
 STREAM_WAIT = re.compile(r"StreamWaitEvent")
 # runtime calls that put work on the device (each should have a device event with its correlation)
@@ -357,7 +357,11 @@ def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> 
         sync_row[q[got]] = r_rows[c_pos[hit[got]]]
         todo[q[got]] = False
 
-    h2d_end = todo & (lk >= 0) & has_end & (d_h2d[ep] if d_h2d.size else False)
+    # a copy whose call began before the device went idle: the host was inside it (a blocking
+    # copy); one called later is a late launch like any other (recorded on an H200: a 25 ms host
+    # op before the next batch's async copy read as 15.5 ms of input stall per step)
+    launch_start = np.where(lk >= 0, r_ts[lp] if r_ts.size else np.nan, np.nan)
+    h2d_end = todo & (lk >= 0) & has_end & (d_h2d[ep] if d_h2d.size else False) & (launch_start <= g_start)
     cls[h2d_end] = INPUT
     todo &= ~h2d_end
     cls[todo & (lk >= 0)] = LAUNCH  # split against DataLoader spans below
