@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .device_steps import DeviceSteps
+from .device_steps import DeviceSteps, capturing
 from .safefs import SafeDir
 
 log = logging.getLogger("diagnose.probes")
@@ -219,7 +219,7 @@ class Probe:
                 self._pending_cuda.append((name, start, e0, e1, nbytes, group))
 
     def _resolve_cuda(self) -> None:
-        if not self._pending_cuda or not self.ok("cuda timing"):
+        if not self._pending_cuda or not self.ok("cuda timing") or capturing():
             return
         try:
             with self._lock:

@@ -41,9 +41,10 @@ class DeviceSteps:
         self._pending: deque = deque()
 
     def mark(self, step: int) -> None:
-        torch = sys.modules.get("torch")  # the job's torch, if it has one: never imported here
-        if torch is None or not torch.cuda.is_initialized():
+        if not _cuda_usable():
             return
+        import torch
+
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         if len(self._pending) >= MAX_PENDING:
@@ -51,4 +52,19 @@ class DeviceSteps:
         self._pending.append((step, e))
 
     def resolved(self) -> list[list]:
-        return pair_completed(self._pending, lambda e: e.query()) if self._pending else []
+        if not self._pending or not _cuda_usable():
+            return []
+        return pair_completed(self._pending, lambda e: e.query())
+
+
+def _cuda_usable() -> bool:
+    """CUDA is in use by the job and no graph is being captured (below)."""
+    torch = sys.modules.get("torch")  # the job's torch, if it has one: never imported here
+    return torch is not None and torch.cuda.is_initialized() and not capturing()
+
+
+def capturing() -> bool:
+    """A CUDA graph is being captured on this thread's stream: an event recorded or queried now
+    would break the user's capture, so the probes touch no event until it ends."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())

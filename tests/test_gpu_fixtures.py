@@ -174,6 +174,8 @@ def test_a_host_stall_is_launch_time_even_when_an_input_copy_ends_it(name, op):
     assert f.metrics["own_estimate_ms"] == pytest.approx(idle, rel=0.05)
     assert f.metrics["long_gaps_ms_per_step"] > 0.9 * f.metrics["own_estimate_ms"]
     assert any(e.get("name") == op for e in ev)  # the host work the recording injected
+    # named by the user's own region around the ops that ran in the gaps, not by aten::mm alone
+    assert f.metrics["long_gap_host_ops_ms_per_step"].startswith(f"{op} > aten::mm ")
 
 
 @pytest.mark.parametrize("name", ["cuda-graph-hidden", "host-stall-hidden", "stream-wait", "none", "pinned-copy",

@@ -55,47 +55,37 @@ def describe(e: Event) -> str:
     return text
 
 
+def host_timed_pace(r: int, ctx: Context) -> float | None:
+    """The device's step (ms) in the profiled steps of rank r when the trace shows r's host ran
+    ahead of its device (RankTimeline.device_timed) and r's every-step record has the host's times
+    only (probes before device step timing); else None. A host with no sync in its loop ends its
+    steps faster than its device runs them until the launch queue is full, then takes the
+    device's time: in such a record, filling the queue looks like a slowdown."""
+    tl, p = ctx.run.timelines.get(r), ctx.probes.get(r)
+    if tl is None or p is None or not tl.device_timed or len(tl.steps) == 0:
+        return None
+    if "device_ms" in p.steps and p.steps["device_ms"].notna().any():
+        return None  # the record has the device's times: its changes are the job's
+    return float((tl.steps["end"] - tl.steps["start"]).mean()) / 1000
+
+
 def queue_filled(e: Event, ctx: Context, th: Thresholds) -> float | None:
-    """The device's step (ms) when a slowdown in the host's record is the host's launch queue
-    filling up, else None. A host with no sync in its loop runs ahead of its device, ending steps
-    faster than the device runs them, until the queue is full; then its steps take the device's
-    time (recorded on an H200: 1.9 -> 12.5 ms at step 280, the device at 12.7 ms throughout).
-    Records written by probes that time the device (`device_ms`) never show this; for older ones,
-    the trace decides: every rank of the change ran ahead of its device in profiled steps before
-    the change, and the level after the change is the device's step there, within
-    fail_slow_effect."""
+    """The device's step (ms) when this slowdown is a launch queue filling up, else None: every
+    rank of it is host-timed (host_timed_pace) with profiled steps before the change, the level
+    before is below the device's step there and the level after is that step, within
+    fail_slow_effect (recorded on an H200: 3.0 -> 12.6 ms at step 64, the device at 12.7 ms in
+    steps 4-8)."""
     paces = []
     for r in e.ranks:
-        tl = ctx.run.timelines.get(r)
-        p = ctx.probes.get(r)
-        if tl is None or not tl.device_timed or p is None or len(tl.steps) == 0:
+        pace = host_timed_pace(r, ctx)
+        if pace is None or int(ctx.run.timelines[r].steps["step"].max()) >= e.step:
             return None
-        if "device_ms" in p.steps and p.steps["device_ms"].notna().any():
-            return None  # the record has the device's time: its change is real
-        if int(tl.steps["step"].max()) >= e.step:
-            return None
-        paces.append(float((tl.steps["end"] - tl.steps["start"]).mean()) / 1000)
+        paces.append(pace)
     if not paces:
         return None
     pace = max(paces)
     if e.step_before_ms < pace * (1 - th.fail_slow_effect) and abs(e.step_after_ms - pace) <= th.fail_slow_effect * pace:
         return pace
-    return None
-
-
-def host_ran_ahead(e: Event, ctx: Context) -> str | None:
-    """Why the change may be no slowdown at all, when the record cannot tell: a rank of it ran
-    ahead of its device in the profiled steps and its record has the host's step times only."""
-    for r in e.ranks:
-        tl, p = ctx.run.timelines.get(r), ctx.probes.get(r)
-        if tl is None or p is None or not tl.device_timed or len(tl.steps) == 0:
-            continue
-        if "device_ms" in p.steps and p.steps["device_ms"].notna().any():
-            continue
-        pace = float((tl.steps["end"] - tl.steps["start"]).mean()) / 1000
-        return (f"rank {r} ran ahead of its device in the profiled steps (the device at {pace:.1f} ms per step): "
-                "its record times the host, so a change to about the device's step may be its launch queue "
-                "filling up, not a slowdown (probes from this version time the device's steps too)")
     return None
 
 
@@ -131,9 +121,14 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     }
     for c in e.changes:
         metrics[f"rank{c.rank}_{c.component}_delta_ms"] = round(c.delta_ms, 3)
-    ahead = host_ran_ahead(e, ctx)
+    # profiled after the change (or the levels do not match the device's): the record cannot
+    # tell a queue filling up from a slowdown; say so
+    ahead = next(((r, pace) for r in e.ranks if (pace := host_timed_pace(r, ctx)) is not None), None)
     if ahead:
-        metrics["note"] = ahead
+        metrics["note"] = (f"rank {ahead[0]} ran ahead of its device in the profiled steps (the device at "
+                           f"{ahead[1]:.1f} ms per step) and its record times the host: a change to about the "
+                           "device's step may be its launch queue filling up, not a slowdown (probes from this "
+                           "version time the device's steps too)")
     if e.signals:
         metrics["signals_moved"] = "; ".join(m.text for m in e.signals[:MAX_SIGNALS])
     elif any(not p.telemetry.empty for p in probes.values()):
@@ -156,6 +151,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                 method="The job's step time (median over ranks, every step from the probes' record) after the "
                        "change minus before it, per step since the change (binary segmentation of each rank's "
                        "step components: diagnose/step/changes.py); its share is of the step since the change.")
-    said = describe(e) + (f"; perhaps no slowdown: {ahead.split(': its record')[0]}, and the record times the "
-                          "host: its launch queue may have filled up" if ahead else "")
+    said = describe(e) + (f"; perhaps no slowdown: rank {ahead[0]} ran ahead of its device in the profiled steps "
+                          f"(the device at {ahead[1]:.1f} ms per step), and the record times the host: its launch "
+                          "queue may have filled up" if ahead else "")
     return [flag_or_pass(f, th.fail_slow, th, said)]

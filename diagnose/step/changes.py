@@ -2,7 +2,8 @@
 
 The probes append every step of every rank to `rank{R}.steps.jsonl`, profiler or not. Per rank
 this module builds one series per component of the step, over the whole record:
-- `step_ms`: the step's wall time;
+- `step_ms`: the step's wall time (on CUDA ranks the device's, where the probes timed it: a host
+  that runs ahead of its device ends its steps early; probedata.job_step_ms);
 - `dataloader_ms`: time blocked fetching the batch;
 - `late_ms`: the rank's arrival at its collectives after the earliest rank's, summed over the
   step (a rank that computes longer arrives later: this is how a slowed rank shows);
@@ -19,10 +20,9 @@ finds is then placed on the first step at the new level within a block either si
 kept only when both sides have at least `min_segment` steps, the levels (the median of the
 block medians either side) differ by at least `min_effect` of the rank's median step and
 MIN_EFFECT_MS, and by Z standard errors (noise taken from the median absolute step-to-step
-difference, robust to the level shift itself). A change reports the medians of the raw steps
-of the segments either side. The noise of a shared host makes runs of a few steps faster or
-slower (measured here: phases of 10-20 steps where one rank runs 30% slower); the minimum segment and
-effect keep those from reading as events.
+difference, robust to the level shift itself); a change reports those two levels. The noise of
+a shared host makes runs of a few steps faster or slower (measured here: phases of 10-20 steps
+where one rank runs 30% slower); the minimum segment and effect keep those from reading as events.
 Why not `ruptures`: its binary segmentation runs its cost in Python per candidate split, and the
 issue's scale (1,024 ranks x 100,000 steps: benchmarks/bench_changes.py) needs the
 cumulative-sum search over numpy arrays; this is that search and nothing more.

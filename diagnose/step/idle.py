@@ -206,16 +206,33 @@ def _innermost_segments(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np
     return times[:-1], times[1:], label
 
 
+def _outermost(ts: np.ndarray, end: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """For each time in `at`, the position of the outermost span (of one thread's nested spans)
+    open then, or -1. Outermost spans are those no earlier span still covers when they start."""
+    if not ts.size:
+        return np.full(at.size, -1, dtype=np.int64)
+    order = np.argsort(ts, kind="stable")
+    s, e = ts[order], end[order]
+    covered_until = np.concatenate([[-np.inf], np.maximum.accumulate(e)[:-1]])
+    top = np.flatnonzero(s >= covered_until)
+    i = np.searchsorted(s[top], at, side="right") - 1
+    ok = (i >= 0) & (at < e[top[np.clip(i, 0, None)]])
+    return np.where(ok, order[top[np.clip(i, 0, None)]], -1)
+
+
 def _long_gap_ops(ev: pd.DataFrame, gaps_by_tid: dict[int, Intervals], n_steps: int
                   ) -> tuple[tuple[str, float], ...]:
     """What each launching thread was doing during its long gaps: the innermost host op open at
-    each instant, summed per op name: (name, us per step), longest first."""
+    each instant, inside the outermost user annotation (`record_function`) open then when there
+    is one ("log_metrics > aten::mm": the innermost op alone rarely says where in the user's code
+    the host was), summed per label: (label, us per step), longest first."""
     if not gaps_by_tid:
         return ()
     host = ev[ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy() & ~_names_matching(ev, PROFILER_STEP)]
     h_tid = host["tid"].cat.codes.to_numpy()
     h_ts_all = host["ts"].to_numpy(dtype=float)
     h_end_all = h_ts_all + host["dur"].to_numpy(dtype=float)
+    h_ann = (host["kind"] == KIND_ANNOTATION).to_numpy()
     codes = host["name"].cat.codes.to_numpy()
     cats = host["name"].cat.categories
     totals: dict[str, float] = {}
@@ -226,12 +243,19 @@ def _long_gap_ops(ev: pd.DataFrame, gaps_by_tid: dict[int, Intervals], n_steps: 
         if ts.size:
             s0, s1, lab = _innermost_segments(ts, end)
             seg = lab >= 0
-            # each labelled segment's overlap with the gaps, then summed per op name
+            # each labelled segment's overlap with the gaps, then summed per label
             cut = intersect(Intervals(s0[seg], s1[seg]), gaps)
             k = np.searchsorted(s0[seg], cut.starts, side="right") - 1
             w = cut.ends - cut.starts
-            for c, us in pd.Series(w).groupby(nm[lab[seg][k]]).sum().items():
-                totals[str(cats[c])] = totals.get(str(cats[c]), 0.0) + float(us)
+            inner = nm[lab[seg][k]]
+            ann = np.flatnonzero(h_ann[sel])
+            outer = np.full(w.size, -1, dtype=np.int64)
+            if ann.size:
+                pos = _outermost(ts[ann], end[ann], (cut.starts + cut.ends) / 2)
+                outer[pos >= 0] = nm[ann][pos[pos >= 0]]
+            for (o, c), us in pd.Series(w).groupby([outer, inner]).sum().items():
+                name = str(cats[c]) if o < 0 or o == c else f"{cats[o]} > {cats[c]}"
+                totals[name] = totals.get(name, 0.0) + float(us)
             rest -= float(w.sum())
         if rest > 0:
             totals[NO_OP] = totals.get(NO_OP, 0.0) + rest
