@@ -58,12 +58,13 @@ def main() -> None:
         ids = [f["id"] for f in d.get("findings") or []]
         healthy["clean" if not ids else "straggler only" if set(ids) == {"straggler"} else
                 "other: " + ",".join(ids)] += 1
-        print(f"run {i + 1}: straggler preset -> {top.get('id')} {top.get('ranks')}; healthy -> {ids or 'clean'}",
-              flush=True)
+        said = "" if a.healthy_only else f"straggler preset -> {top.get('id')} {top.get('ranks')}; "
+        print(f"run {i + 1}: {said}healthy -> {ids or 'clean'}", flush=True)
         for f in d.get("findings") or []:  # what a false flag said: enough to tell the host from the tool
             print(f"  healthy run flagged {f['id']} {f.get('ranks')}: {f.get('recoverable_ms')} ms, "
                   f"{f.get('share_of_step', 0):.1%}; {f.get('metrics', {}).get('late_from', '')}", flush=True)
-    print(f"straggler preset ({a.repeat} runs): {dict(named)}")
+    if not a.healthy_only:
+        print(f"straggler preset ({a.repeat} runs): {dict(named)}")
     print(f"healthy job ({a.repeat} runs): {dict(healthy)}")
 
 
