@@ -142,6 +142,11 @@ def _rounding_only(old: str, new: str) -> bool:
 EQUIVALENT = {
     # mutant -> (a piece of the line it changes, why the change cannot alter any output); read in the
     # code. Mutant names follow the code: a name whose line no longer matches is reported as a gap.
+    "diagnose.analyzers.common.x__clipped_to_step__mutmut_29": (
+        "end = hi[np.clip(k, 0, None)]", "an op before the first step (k = -1) is outside whatever end it reads: "
+        "`inside` also asks k >= 0"),
+    "diagnose.analyzers.common.x_self_times__mutmut_30": (
+        "if hi > start:", "at hi == start the parent loses 0 us and start stays hi: no change"),
     "diagnose.analyzers.x_reduce_rank__mutmut_15": (
         "idle_gaps=gaps", "the reducer builds the same idle model itself when not handed one (slower only)"),
     "diagnose.analyzers.x_reduce_rank__mutmut_12": (

@@ -284,3 +284,42 @@ def test_a_steady_run_passes_with_its_length_and_nothing_else_said():
     assert c.status == "passed" and c.reason == (
         f"steady over {n} steps on 2 rank(s): no slowdown of {DEFAULT.fail_slow_effect:.0%} of the step or more "
         f"lasting {DEFAULT.fail_slow_min_segment} steps")
+
+
+def test_a_shared_slowdown_keeps_its_whole_line_and_gets_the_loader_fix():
+    """Every rank's DataLoader slowed (the loader recording): the line says when and what before it
+    says "shared infrastructure", and the fix is the DataLoader's, not the compute one."""
+    probes = load_probe_data([FIX / "loader"])
+    c = _fail_slow_check(probes)
+    (e,) = [x for x in run_changes(probes, DEFAULT.fail_slow_min_segment, DEFAULT.fail_slow_effect) if x.lost_ms > 0]
+    assert e.place == "every rank" and e.cause == "dataloader_ms"
+    line = fail_slow.describe(e)
+    assert line.startswith(f"from step {e.step} (") and line.endswith(
+        "; no rank leads it: shared infrastructure (storage, network, the input pipeline)")
+    assert c.finding.fix == fail_slow.FIX["dataloader_ms"]
+
+
+def test_the_signals_that_moved_are_the_findings_metric():
+    """The CPU-hog recording: the finding's signals_moved is the annotation's text, largest first."""
+    probes = load_probe_data([FIX / "hog"])
+    c = _fail_slow_check(probes)
+    (e,) = [x for x in run_changes(probes, DEFAULT.fail_slow_min_segment, DEFAULT.fail_slow_effect) if x.lost_ms > 0]
+    assert e.signals and c.finding.metrics["signals_moved"] == "; ".join(
+        m.text for m in e.signals[:fail_slow.MAX_SIGNALS])
+    assert "CPU busy" in c.finding.metrics["signals_moved"]
+
+
+def test_a_slowdown_under_a_millisecond_of_the_jobs_step_is_still_one(tmp_path):
+    """Any slower step counts as a slowdown however small (the effect floors decide what is a
+    change): one rank's compute +1.5 ms on a 3 ms step while its peer's step stays, so the job's
+    step (the median over the two ranks) moves by 0.75 ms."""
+    for r, extra in ((0, 0.0), (1, 1.5)):
+        rows = [{"step": s, "start": 1000.0 + s * 0.01, "dur_ms": 3.0 + (extra if s >= 150 else 0.0)
+                 + 0.01 * (s % 3), "dataloader_ms": 0.1, "comm_ms": 0.2, "collectives": []} for s in range(1, 300)]
+        (tmp_path / f"rank{r}.steps.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+        (tmp_path / f"rank{r}.probe.json").write_text(json.dumps({"meta": {"rank": r, "world_size": 2}}))
+    probes = load_probe_data([tmp_path])
+    (e,) = run_changes(probes, DEFAULT.fail_slow_min_segment, DEFAULT.fail_slow_effect)
+    assert 0 < e.lost_ms < 1.0
+    c = _fail_slow_check(probes)
+    assert c.finding is not None and c.finding.recoverable_ms == round(e.lost_ms, 3)

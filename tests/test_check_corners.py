@@ -480,3 +480,64 @@ def test_the_every_step_dataloader_share_is_the_worst_ranks_median_over_the_reco
         counts.append(len(rows))
     assert c.finding.metrics["every_step_dataloader_share"] == pytest.approx(max(shares), abs=5e-5)
     assert c.finding.metrics["every_step_steps"] == max(counts)
+
+
+# ---- gaps of the seed-4 mutation sample (docs/mutation.md) ----
+
+def test_gpu_checks_name_only_the_ranks_over_their_threshold():
+    """DLRM's eight ranks all wait for launches and all queue a little; with rank 0's figure set to
+    zero, the launch finding names the other seven, not every rank; device_wait with its floor at
+    zero likewise leaves out the rank whose queued idle is zero."""
+    from diagnose.analyzers import device_wait
+
+    run = shared_run("param_dlrm_8rank_v100")
+    low0 = _with_facts(run, "launch_overhead", lambda r, f: dataclasses.replace(
+        f, gpu=dataclasses.replace(f.gpu, ms=0.0)) if r == 0 else f)
+    assert _launch(low0).finding.ranks == tuple(range(1, 8))
+    q0 = _with_facts(run, "device_wait", lambda r, f: dataclasses.replace(f, ms=0.0 if r == 0 else 5.0))
+    (c,) = device_wait.analyze(build_context(q0, {}), dataclasses.replace(DEFAULT, device_wait=0.0001))
+    assert c.finding is not None and 0 not in c.finding.ranks and len(c.finding.ranks) == 7
+
+
+
+def test_exposed_communication_names_the_ranks_over_its_threshold():
+    """hta_sampled's two ranks expose communication unequally (95.7 and 99.1 ms per step); decided
+    on the check's own figure (no step model) with the threshold between their shares of their
+    own steps, only the rank above it is named, not every rank."""
+    from diagnose.analyzers import communication
+
+    ctx = dataclasses.replace(build_context(shared_run("hta_sampled_2rank_of128"), {}), model=None)
+    exposed, step = ctx.per_rank_mean("exposed_comm_ms"), ctx.per_rank_mean("step_ms")
+    share = exposed / step
+    assert abs(share[0] - share[1]) > 0.002
+    # above the lower rank's share, below the higher's and below the check's own (their median)
+    floor = float(share.min() + 0.25 * (share.max() - share.min()))
+    (c,) = communication.analyze(ctx, dataclasses.replace(DEFAULT, communication=floor))
+    assert c.status == "flagged" and c.finding.ranks == (int(share.idxmax()),)
+
+
+def test_the_checkpoint_apis_are_listed_sorted_and_comma_separated():
+    """Saves through two APIs on the recorded checkpointing job (one of its four saves relabelled
+    as a distributed checkpoint, in the probe's sidecar format): the metric lists both."""
+    from diagnose.probedata import load_probe_data
+
+    probes = load_probe_data([FIXTURES / "cpu_checkpoint_2rank"])
+    saves = [dict(c) for c in probes[0].meta["checkpoints"]]
+    saves[1]["api"] = "torch.distributed.checkpoint.save"
+    probes = {**probes, 0: dataclasses.replace(probes[0], meta={**probes[0].meta, "checkpoints": saves})}
+    (c,) = checkpoint.analyze(build_context(fixture_run(FIXTURES / "cpu_checkpoint_2rank"), probes), DEFAULT)
+    assert c.finding.metrics["apis"] == "torch.distributed.checkpoint.save, torch.save"
+
+
+def test_an_op_and_its_child_starting_together_share_the_parents_time_correctly():
+    """Two ops opening at the same microsecond on one thread: the longer is the parent (it is
+    sorted first), so the parent keeps its duration less the child's and the child its own."""
+    from diagnose.analyzers import common
+
+    tl = _full("cpu_straggler_2rank").timelines[0]
+    t0 = float(tl.steps["start"].iloc[0])
+    ev = pd.DataFrame({"kind": pd.Categorical(["cpu_op", "cpu_op"]), "tid": ["1", "1"], "ts": [t0 + 10, t0 + 10],
+                       "dur": [4.0, 10.0], "name": pd.Categorical(["aten::mm", "aten::linear"]),
+                       "corr": [-1, -1]})
+    got = common.host_self_times(ev, tl)
+    assert dict(zip(got["name"].astype(str), got["self_us"])) == {"aten::linear": 6.0, "aten::mm": 4.0}

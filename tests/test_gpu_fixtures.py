@@ -225,3 +225,21 @@ def test_ddp_on_one_nccl_rank_communicates_nothing():
     d = diagnosis("ddp_nccl")
     (c,) = [c for c in d.checks if c.id == "exposed_communication"]
     assert c.status == "passed" and "world size 1" in c.reason, c.reason
+
+
+def test_a_record_with_the_devices_times_is_taken_as_the_jobs():
+    """The same host-ahead run, its record carrying the device's step times (as probes from this
+    version write them): fail_slow reads the record as the job, with no queue to explain away."""
+    import dataclasses
+
+    from diagnose.analyzers.fail_slow import host_timed_pace
+    from diagnose.context import build_context
+    from tests.conftest import fixture_run
+
+    run = fixture_run(FIX / "dataloader_nw4_long")
+    probes = load_probe_data([FIX / "dataloader_nw4_long"])
+    assert host_timed_pace(0, build_context(run, probes)) == pytest.approx(diagnosis("dataloader_nw4_long").run
+                                                                          .mean_step_ms[0], abs=1e-3)
+    timed = {0: dataclasses.replace(probes[0], steps=probes[0].steps.assign(device_ms=12.6))}
+    assert host_timed_pace(0, build_context(run, timed)) is None
+    assert host_timed_pace(0, build_context(fixture_run(FIX / "dataloader"), load_probe_data([FIX / "dataloader"]))) is None

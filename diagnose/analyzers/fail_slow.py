@@ -62,7 +62,7 @@ def host_timed_pace(r: int, ctx: Context) -> float | None:
     steps faster than its device runs them until the launch queue is full, then takes the
     device's time: in such a record, filling the queue looks like a slowdown."""
     tl, p = ctx.run.timelines.get(r), ctx.probes.get(r)
-    if tl is None or p is None or not tl.device_timed or len(tl.steps) == 0:
+    if tl is None or p is None or not tl.device_timed:  # device-timed steps exist: device_steps
         return None
     if "device_ms" in p.steps and p.steps["device_ms"].notna().any():
         return None  # the record has the device's times: its changes are the job's
