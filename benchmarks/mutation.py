@@ -145,6 +145,11 @@ EQUIVALENT = {
     "diagnose.analyzers.common.x__clipped_to_step__mutmut_29": (
         "end = hi[np.clip(k, 0, None)]", "an op before the first step (k = -1) is outside whatever end it reads: "
         "`inside` also asks k >= 0"),
+    "diagnose.analyzers.straggler.x_why_late__mutmut_72": (
+        'ops = ""', "its one caller reads the ops only as `if ops:`, where None and \"\" are both false"),
+    "diagnose.analyzers.reduce_dtype.x_reduce__mutmut_65": (
+        "e[1] += 0.0 if np.isnan(b) else float(b)", "an unrecorded size read as 1 byte, not 0: all sizes "
+        "unrecorded, the shares are the counts' either way; among recorded ones, 1 byte moves no figure"),
     "diagnose.analyzers.common.x_self_times__mutmut_30": (
         "if hi > start:", "at hi == start the parent loses 0 us and start stays hi: no change"),
     "diagnose.analyzers.x_reduce_rank__mutmut_15": (

@@ -374,6 +374,10 @@ def test_an_nccl_job_computing_in_bf16_and_reducing_in_fp32_is_flagged_with_its_
     assert c.reason.startswith("90% of matrix-op time in bf16/fp16 but 100% of the reduced gradient bytes in fp32: "
                                f"about {f.recoverable_ms:.1f} ms per step ({f.share_of_step:.0%}) to gain by "
                                "reducing in bf16")
+    # the fp32 reductions per step (15 in 3 steps), a float to two decimals
+    n_fp32 = {d: n for d, n, _ in p.reduced}["fp32"]
+    per = f.metrics["fp32_reductions_per_step"]
+    assert isinstance(per, float) and per == round(n_fp32 / len(run.timelines[0].steps), 2) == 5.0
 
 
 def test_the_precision_a_model_computes_in_is_the_one_with_most_matrix_time():
@@ -541,3 +545,68 @@ def test_an_op_and_its_child_starting_together_share_the_parents_time_correctly(
                        "corr": [-1, -1]})
     got = common.host_self_times(ev, tl)
     assert dict(zip(got["name"].astype(str), got["self_us"])) == {"aten::linear": 6.0, "aten::mm": 4.0}
+
+
+def test_an_op_opening_at_a_steps_first_microsecond_counts_in_that_step():
+    """Per-op overhead: an op that starts exactly when a step starts is that step's (not the one
+    before, and not outside every step when it is the first)."""
+    from diagnose.analyzers import launch
+
+    tl = _full("cpu_straggler_2rank").timelines[0]
+    starts = tl.steps["start"].to_numpy(dtype=float)
+    ev = pd.DataFrame({"kind": pd.Categorical(["cpu_op"] * 2), "tid": ["1", "1"],
+                       "ts": [starts[0], starts[1]], "dur": [5.0, 5.0],
+                       "name": pd.Categorical(["aten::add", "aten::add"]), "corr": [-1, -1]})
+    got = launch._op_overhead(ev, dataclasses.replace(tl, dataloader=type(tl.dataloader).empty()))
+    assert got.ops_per_step == pytest.approx(2 / len(starts))
+
+
+def test_a_low_precision_model_with_no_gradient_reduction_passes_under_its_own_title():
+    """The A100 job with its compute made bf16 and no reduction recorded: passes, saying so, under
+    the check's title."""
+    from diagnose.analyzers import reduce_dtype
+
+    run = _with_facts(shared_run("hta_nccl_data_rank0of2_a100"), "reduce_dtype", lambda r, f: dataclasses.replace(
+        f, matrix_us=(("bf16", 900.0), ("fp32", 100.0)), reduced=()))
+    c = _reduce_dtype(run)
+    assert c.status == "passed" and c.title == reduce_dtype.TITLE
+    assert c.reason == ("the model computes in low precision (90% of matrix-op time) and no gradient all-reduce "
+                        "or reduce-scatter ran in the profiled steps")
+
+
+def test_collectives_whose_names_disagree_across_ranks_are_counted():
+    """The recorded straggler job with two of its matched collectives' names marked as differing
+    between ranks (as a sampled or mismatched trace has them): the count is a metric."""
+    from diagnose.analyzers import straggler
+
+    ctx = build_context(fixture_run(FIXTURES / "cpu_straggler_2rank"), {})
+    pc = ctx.matched.per_collective.copy()
+    pc.loc[pc.index[:2], "names_agree"] = False
+    ctx = dataclasses.replace(ctx, matched=dataclasses.replace(ctx.matched, per_collective=pc))
+    (c,) = straggler.analyze(ctx, DEFAULT)
+    assert c.finding is not None and c.finding.metrics["collectives_with_mismatched_names"] == 2
+
+
+def test_ten_every_step_collectives_agreeing_make_the_straggler_verdict_firmer():
+    """DLRM with every floor at zero names ranks 7, 5, 4 (rank 7 last in 62.5% of the profiled
+    collectives: medium, lowered one level for its one step). An every-step record in which rank 7
+    arrives last at every collective raises it to high (then medium after the same lowering), from
+    10 such collectives on: 9 are too few."""
+    from diagnose.analyzers import straggler
+
+    run = shared_run("param_dlrm_8rank_v100")
+    th = dataclasses.replace(DEFAULT, straggler=0.0, healthy_floor_ms=0.0)
+
+    def probes(n):
+        steps = pd.DataFrame({"step": range(1, n + 1), "start": [1000.0 + s for s in range(1, n + 1)],
+                              "dur_ms": 1.0, "dataloader_ms": 0.0, "comm_ms": 1.0, "device_ms": np.nan})
+        return {r: ProbeData(rank=r, meta={}, steps=steps, collectives=pd.DataFrame(
+            [{"step": s, "seq": 0, "name": "all_reduce", "arrival": 1000.0 + s + (0.01 if r == 7 else 0.0),
+              "dur_ms": 1.0, "bytes": 4.0, "group": "default"} for s in range(1, n + 1)])) for r in range(8)}
+
+    confidence = {}
+    for n in (9, 10):
+        (c,) = straggler.analyze(build_context(run, probes(n)), th)
+        assert c.finding.ranks[0] == 7 and c.finding.metrics["every_step_collectives"] == n
+        confidence[n] = c.finding.confidence
+    assert confidence == {9: "low", 10: "medium"}

@@ -74,6 +74,9 @@ def test_sharding_advice_in_bytes_for_this_model():
     assert advice["activation checkpointing"] == 200_000_000
     assert advice["sharding"] == pytest.approx(16 * p * 3 / 4)  # ZeRO-3 over 4 ranks
     assert advice["tensor/pipeline parallel"] == 8 * p
+    _, _, halve = memory._advice(m, dp=4, sharded=False)[1]
+    assert halve.startswith("halve the micro-batch and double gradient accumulation: halves the activations (")
+    assert halve.endswith("), the global batch is unchanged")
     _, _, how = memory._advice(m, dp=4, sharded=False)[3]
     assert "ZeRO-1 (optimizer state) frees 60.00 MB" in how  # 8 B/param x 10 M x 3/4
     assert dict((n, s) for n, s, _ in memory._advice(m, dp=1, sharded=False))["sharding"] == 0
@@ -232,7 +235,8 @@ def test_small_micro_batch_blamed_on_tight_memory():
     ctx = build_context(run, {0: ProbeData(rank=0, meta=meta, steps=pd.DataFrame(), collectives=pd.DataFrame())})
     assert [c.status for c in launch.analyze(ctx, DEFAULT)] == ["flagged"]
     (c,) = memory.analyze(ctx, DEFAULT)
-    assert c.status == "flagged" and "micro-batch is small because memory is tight" in c.reason
+    assert c.status == "flagged" and c.reason.endswith(
+        "; the micro-batch is small because memory is tight (launch overhead also flagged)")
     f = c.finding
     assert f.recoverable_ms == 0 and f.metrics["headroom"] == pytest.approx(0.04)
     assert f.metrics["activations_bytes"] == int(0.93 * total) - 16 * p
