@@ -323,3 +323,28 @@ def test_a_slowdown_under_a_millisecond_of_the_jobs_step_is_still_one(tmp_path):
     assert 0 < e.lost_ms < 1.0
     c = _fail_slow_check(probes)
     assert c.finding is not None and c.finding.recoverable_ms == round(e.lost_ms, 3)
+
+
+def test_longer_collectives_on_some_ranks_name_the_rank_they_wait_for():
+    """The hog_comm recording: a CPU hog on rank 1's core slowed its gloo transfers more than its
+    compute. From the raw records: rank 0's communication grew by far the most, rank 1's compute by
+    less than the floor. The event names rank 1 (waited for), rank 0 as the one waiting, and
+    rank 1's CPU load, which moved with it."""
+    rec = {r: [json.loads(x) for x in (FIX / "hog_comm" / f"rank{r}.steps.jsonl").read_text().splitlines()]
+           for r in (0, 1)}
+
+    def med(r, key, lo, hi):
+        return statistics.median(key(x) for x in rec[r] if lo <= x["step"] < hi)
+
+    comm = {r: med(r, lambda x: x["comm_ms"], 130, 240) - med(r, lambda x: x["comm_ms"], 20, 120) for r in (0, 1)}
+    own1 = med(1, lambda x: x["dur_ms"] - x["comm_ms"], 130, 240) - med(1, lambda x: x["dur_ms"] - x["comm_ms"], 20, 120)
+    step = med(1, lambda x: x["dur_ms"], 20, 120)
+    assert comm[0] > 2 * comm[1] and comm[0] > DEFAULT.fail_slow_effect * step > own1
+    (e,) = run_changes(load_probe_data([FIX / "hog_comm"]), DEFAULT.fail_slow_min_segment, DEFAULT.fail_slow_effect)
+    assert abs(e.step - 120) <= 3 and e.cause == "comm_ms" and e.ranks == (1,) and e.waiting == (0,)
+    assert e.place == "rank 1" and e.cause_delta_ms == pytest.approx(comm[0], rel=0.2)
+    line = fail_slow.describe(e)
+    assert "rank 1, the others wait for it at collectives (communication +" in line and "on rank(s) 0;" in line
+    assert any(m.rank == 1 and m.signal == "cpu_busy" for m in e.signals) and "shared infrastructure" not in line
+    f = _fail_slow_check(load_probe_data([FIX / "hog_comm"])).finding
+    assert f.ranks == (1,) and f.fix == fail_slow.FIX_WAITED_FOR

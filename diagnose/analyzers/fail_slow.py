@@ -33,6 +33,10 @@ FIX = {
                 "configuration (link errors or flaps, congestion from other jobs, NCCL falling back to a slower "
                 "transport after a restart); check the fabric's counters and NCCL_DEBUG=INFO at that time."),
 }
+FIX_WAITED_FOR = ("The others wait longer at every collective for the named rank(s), whose own compute moved "
+                  "little: something slows their side of each transfer. Look at that host at that time: another "
+                  "process on its cores (the communication threads need CPU too), its CPU load and steal, its "
+                  "network interface; then drain or fix it.")
 
 
 MAX_SIGNALS = 4
@@ -45,9 +49,11 @@ def when(wall_s: float | None) -> str:
 
 def describe(e: Event) -> str:
     """One line an on-call engineer reads: when, where, what moved, and what it costs."""
-    text = (f"from step {e.step} ({when(e.wall_s)}): {e.place}, {WHAT.get(e.cause, e.cause)} "
-            f"{e.cause_delta_ms:+.1f} ms per step; the job's step {e.step_before_ms:.1f} -> {e.step_after_ms:.1f} ms "
-            f"({e.lost_ms:+.1f} ms)")
+    what = (f"the others wait for it at collectives (communication {e.cause_delta_ms:+.1f} ms per step on rank(s) "
+            f"{', '.join(map(str, e.waiting))}; its own work moved under the floor)" if e.waiting else
+            f"{WHAT.get(e.cause, e.cause)} {e.cause_delta_ms:+.1f} ms per step")
+    text = (f"from step {e.step} ({when(e.wall_s)}): {e.place}, {what}; the job's step {e.step_before_ms:.1f} -> "
+            f"{e.step_after_ms:.1f} ms ({e.lost_ms:+.1f} ms)")
     if e.place == "every rank" and e.lost_ms > 0:
         text += "; no rank leads it: shared infrastructure (storage, network, the input pipeline)"
     if e.signals:
@@ -145,7 +151,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
             f"{e.step_after_ms:.1f} ms per step"
     f = Finding(id=ID, title=title, severity=th.severity(share), recoverable_ms=round(e.lost_ms, 3),
                 share_of_step=round(share, 4), ranks=e.ranks, metrics=metrics, events=(),
-                fix=FIX.get(e.cause, FIX["compute_ms"]),
+                fix=FIX_WAITED_FOR if e.waiting else FIX.get(e.cause, FIX["compute_ms"]),
                 confidence="low" if ahead else "high"
                 if min(e.step - first, last - e.step + 1) >= 3 * th.fail_slow_min_segment else "medium",
                 method="The job's step time (median over ranks, every step from the probes' record) after the "

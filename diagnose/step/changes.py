@@ -139,7 +139,8 @@ class Event:
     cause: str
     """The component that moved: compute_ms, dataloader_ms or comm_ms."""
     ranks: tuple[int, ...]
-    """Where the cause moved, the largest change first."""
+    """Where the cause moved, the largest change first; for a communication change on some ranks
+    only, the ranks the others wait for (`waiting`)."""
     place: str
     """"rank R", "ranks R, S", "host H" or "every rank"."""
     step_before_ms: float
@@ -150,6 +151,9 @@ class Event:
     changes: tuple[Change, ...]
     signals: tuple[SignalMove, ...] = ()
     """Host and device signals that moved with it, the largest relative move first (may be empty)."""
+    waiting: tuple[int, ...] = ()
+    """For a communication change on some ranks only: those ranks, whose collectives got longer
+    waiting for `ranks` (the ranks the event names)."""
 
     @property
     def lost_ms(self) -> float:
@@ -357,15 +361,24 @@ def find_events(source: Callable[[], Iterable[RankSeries]], min_segment: int = 2
         lead = max(cause_changes, key=lambda c: abs(c.delta_ms))
         same = sorted((c for c in cause_changes if c.component == lead.component
                        and np.sign(c.delta_ms) == np.sign(lead.delta_ms)), key=lambda c: -abs(c.delta_ms))
-        leads.append((lead, tuple(dict.fromkeys(c.rank for c in same))))
+        ranks = tuple(dict.fromkeys(c.rank for c in same))
+        if lead.component == "comm_ms" and lead.delta_ms > 0 and 0 < len(set(ranks)) < len(hosts):
+            # longer collectives on some ranks only, no rank's own work past its floor: in a
+            # synchronous collective the ranks that wait longer wait for the others (recorded: a CPU
+            # hog on rank 1's core slowed its gloo transfers; rank 0 waited +8 ms, rank 1's own
+            # compute rose 3.6 ms, under the floor). The event names the ranks waited for.
+            waited_for = tuple(r for r in sorted(hosts) if r not in ranks)
+            leads.append((lead, waited_for, ranks))
+            continue
+        leads.append((lead, ranks, ()))
     if not leads:
         return ()
-    cuts = [first, *(lead.step for lead, _ in leads), last + 1]
+    cuts = [first, *(lead.step for lead, _, _ in leads), last + 1]
     # the second pass: each rank's median step in each segment between the events, and the signals
     # of the events' ranks around each event
     per_segment: list[list[float]] = [[] for _ in range(len(cuts) - 1)]
     moves: dict[tuple[int, int], list[tuple[float, SignalMove]]] = {}
-    wanted = {r: [i for i, (_, ranks) in enumerate(leads) if r in ranks] for r in hosts}
+    wanted = {r: [i for i, (_, ranks, _) in enumerate(leads) if r in ranks] for r in hosts}
     for s in source():
         if len(s.steps) == 0:
             continue
@@ -377,11 +390,12 @@ def find_events(source: Callable[[], Iterable[RankSeries]], min_segment: int = 2
             moves[(i, s.rank)] = _rank_moves(s.rank, s.host, s.telemetry, cuts[i], leads[i][0].step, cuts[i + 2])
     job = [float(np.median(v)) if v else float("nan") for v in per_segment]
     events = []
-    for i, (lead, ranks) in enumerate(leads):
+    for i, (lead, ranks, waiting) in enumerate(leads):
         found = [m for r in ranks for m in moves.get((i, r), [])]
         events.append(Event(step=lead.step, wall_s=starts.get((lead.rank, lead.step)),
                             cause=lead.component, ranks=ranks, place=_place(ranks, hosts),
                             step_before_ms=job[i], step_after_ms=job[i + 1], cause_delta_ms=lead.delta_ms,
+                            waiting=waiting,
                             changes=tuple(c for c in changes if abs(c.step - lead.step) <= CLUSTER_STEPS),
                             signals=tuple(m for _, m in sorted(found, key=lambda x: -x[0]))))
     return tuple(events)
