@@ -137,13 +137,17 @@ def wait_for_change(pdir: Path, timeout_s: float, poll_s: float = 2.0, th: Thres
     seen = [e.step for e in (slowdowns(pdir, th) if known is None else known)]
     deadline = time.monotonic() + timeout_s
     while True:
+        t = time.monotonic()
         # the same change found again moves by a few steps as more of it is recorded
         new = [e for e in slowdowns(pdir, th) if all(abs(e.step - s) > CLUSTER_STEPS for s in seen)]
         if new:
             return new[0]
         if time.monotonic() >= deadline or not alive():
             return None
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        # each poll reads every rank's whole record: on a large run, wait at least twice as long
+        # as a read takes, so the wait never becomes a busy loop over a shared filesystem
+        pause = max(poll_s, 2 * (time.monotonic() - t))
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
 
 
 def render(view: LiveView) -> str:

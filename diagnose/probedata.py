@@ -62,6 +62,11 @@ class ProbeData:
     empty without the file."""
 
 
+def has_device_times(p: ProbeData) -> bool:
+    """The record carries steps as the device ran them (probes that time CUDA steps)."""
+    return "device_ms" in p.steps and bool(p.steps["device_ms"].notna().any())
+
+
 def job_step_ms(steps: pd.DataFrame) -> np.ndarray:
     """Each step's time as the job ran it: the device's where the probes timed it (a host that
     runs ahead of its device ends its steps early: probes/device_steps.py), else the host's."""
@@ -177,18 +182,17 @@ def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame
             setattr(c, name, array(getattr(c, name).typecode))
         return joined
 
-    steps = pd.DataFrame({"step": col("step", np.int64), "start": col("start", np.float64),
-                          "dur_ms": col("dur", np.float64), "dataloader_ms": col("dl", np.float64),
-                          "comm_ms": col("comm", np.float64)}, columns=STEP_COLUMNS[:-1], copy=False)
+    step = col("step", np.int64)
     d_step, d_ms = col("d_step", np.int64), col("d_ms", np.float64)
-    device = np.full(len(steps), np.nan)
-    if d_step.size and len(steps):
+    device = np.full(step.size, np.nan)
+    if d_step.size and step.size:
         # a step's device time arrives in a later step's record: matched by step number (the last
         # reading of a step wins, as the last record of a step does)
         timed = pd.Series(d_ms, index=d_step)
-        timed = timed[~timed.index.duplicated(keep="last")]
-        device = timed.reindex(steps["step"].to_numpy()).to_numpy(dtype=np.float64)
-    steps["device_ms"] = device
+        device = timed[~timed.index.duplicated(keep="last")].reindex(step).to_numpy(dtype=np.float64)
+    steps = pd.DataFrame({"step": step, "start": col("start", np.float64), "dur_ms": col("dur", np.float64),
+                          "dataloader_ms": col("dl", np.float64), "comm_ms": col("comm", np.float64),
+                          "device_ms": device}, columns=STEP_COLUMNS, copy=False)
     names = np.array(list(codes), dtype=object)
     c_step = col("c_step", np.int64)
     if not len(c_step):

@@ -1,5 +1,5 @@
 """A single-GPU training job that makes the device idle for one known reason (the labelled CUDA
-fixtures of tests/fixtures/gpu_*: recorded with `benchmarks/gpu_record.sh` when a GPU is lent).
+fixtures of tests/fixtures/gpu_h200: recorded with `benchmarks/gpu_check.sh` when a GPU is lent).
 
 Run it unmodified under the probes, as a user would:
 

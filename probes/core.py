@@ -280,10 +280,7 @@ class Probe:
         except Exception as exc:  # noqa: BLE001
             self._fail("step log", exc)
         if self.ok("device timing"):
-            try:
-                self._device_steps.mark(self.step)
-            except Exception as exc:  # noqa: BLE001
-                self._fail("device timing", exc)
+            self._quietly("device timing", lambda: self._device_steps.mark(self.step))
         self._profiler_step()
         self.step += 1
         if self.step == 1:

@@ -14,6 +14,7 @@ import time
 from diagnose.analyzers.common import flag_or_pass, not_measurable, passed
 from diagnose.context import Context
 from diagnose.model import Check, Finding
+from diagnose.probedata import has_device_times
 from diagnose.step.changes import Event, run_changes
 from diagnose.thresholds import Thresholds
 
@@ -70,7 +71,7 @@ def host_timed_pace(r: int, ctx: Context) -> float | None:
     tl, p = ctx.run.timelines.get(r), ctx.probes.get(r)
     if tl is None or p is None or not tl.device_timed:  # device-timed steps exist: device_steps
         return None
-    if "device_ms" in p.steps and p.steps["device_ms"].notna().any():
+    if has_device_times(p):
         return None  # the record has the device's times: its changes are the job's
     return float((tl.steps["end"] - tl.steps["start"]).mean()) / 1000
 
@@ -129,12 +130,12 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         metrics[f"rank{c.rank}_{c.component}_delta_ms"] = round(c.delta_ms, 3)
     # profiled after the change (or the levels do not match the device's): the record cannot
     # tell a queue filling up from a slowdown; say so
-    ahead = next(((r, pace) for r in e.ranks if (pace := host_timed_pace(r, ctx)) is not None), None)
+    ahead = next((f"rank {r} ran ahead of its device in the profiled steps (the device at {pace:.1f} ms per step)"
+                  for r in e.ranks if (pace := host_timed_pace(r, ctx)) is not None), None)
     if ahead:
-        metrics["note"] = (f"rank {ahead[0]} ran ahead of its device in the profiled steps (the device at "
-                           f"{ahead[1]:.1f} ms per step) and its record times the host: a change to about the "
-                           "device's step may be its launch queue filling up, not a slowdown (probes from this "
-                           "version time the device's steps too)")
+        metrics["note"] = (f"{ahead} and its record times the host: a change to about the device's step may be its "
+                           "launch queue filling up, not a slowdown (probes from this version time the device's "
+                           "steps too)")
     if e.signals:
         metrics["signals_moved"] = "; ".join(m.text for m in e.signals[:MAX_SIGNALS])
     elif any(not p.telemetry.empty for p in probes.values()):
@@ -157,7 +158,6 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                 method="The job's step time (median over ranks, every step from the probes' record) after the "
                        "change minus before it, per step since the change (binary segmentation of each rank's "
                        "step components: diagnose/step/changes.py); its share is of the step since the change.")
-    said = describe(e) + (f"; perhaps no slowdown: rank {ahead[0]} ran ahead of its device in the profiled steps "
-                          f"(the device at {ahead[1]:.1f} ms per step), and the record times the host: its launch "
-                          "queue may have filled up" if ahead else "")
+    said = describe(e) + (f"; perhaps no slowdown: {ahead}, and the record times the host: its launch queue may "
+                          "have filled up" if ahead else "")
     return [flag_or_pass(f, th.fail_slow, th, said)]

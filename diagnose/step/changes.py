@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from diagnose.probedata import ProbeData, job_step_ms
+from diagnose.probedata import ProbeData, has_device_times, job_step_ms
 
 COMPONENTS = ("step_ms", "compute_ms", "dataloader_ms", "comm_ms", "late_ms")
 OWN_WORK = ("compute_ms", "dataloader_ms")
@@ -199,7 +199,7 @@ def host_timed_gpu_ranks(probes: dict[int, ProbeData]) -> list[int]:
     """CUDA ranks whose record has only the host's step times (probes before device timing): on
     them a change to a slower step may be the host's launch queue filling up, not a slowdown."""
     return sorted(r for r, p in probes.items() if str(p.meta.get("device", "")).startswith("cuda")
-                  and not ("device_ms" in p.steps and p.steps["device_ms"].notna().any()))
+                  and not has_device_times(p))
 
 
 def _lateness(probes: dict[int, ProbeData]) -> dict[int, pd.Series]:

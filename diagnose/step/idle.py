@@ -43,7 +43,7 @@ from diagnose.ingest.load import (KIND_ANNOTATION, KIND_COMM_KERNEL, KIND_CPU_OP
                                   KIND_MEMSET, KIND_RUNTIME, RankTrace)
 from diagnose.step.intervals import Intervals, covered, intersect, union
 from diagnose.thresholds import DEFAULT, Thresholds
-from diagnose.step.timeline import H2D, PROFILER_STEP, RankTimeline, _names_matching
+from diagnose.step.timeline import H2D, PROFILER_STEP, RankTimeline, _names_matching, launch_positions
 
 CLASSES = ("latency", "queued", "sync", "input", "launch", "unattributed")
 LATENCY, QUEUED, SYNC, INPUT, LAUNCH, UNATTRIBUTED = range(len(CLASSES))
@@ -121,22 +121,6 @@ class IdleModel:
         if not self.steps:
             return 0.0
         return float(self.by_class_us[:, CLASSES.index(name)].mean()) / 1000
-
-
-def _link(dev_corr: np.ndarray, rt: pd.DataFrame) -> np.ndarray:
-    """Position in `rt` of each device event's launch call (-1: none)."""
-    corr = rt["corr"].to_numpy()
-    ok = corr >= 0
-    pos = np.flatnonzero(ok)
-    c = corr[ok]
-    order = np.argsort(c, kind="stable")
-    c, pos = c[order], pos[order]
-    i = np.searchsorted(c, dev_corr)
-    hit = (i < c.size) & (dev_corr >= 0)
-    hit[hit] = c[i[hit]] == dev_corr[hit]
-    out = np.full(dev_corr.size, -1, dtype=np.int64)
-    out[hit] = pos[i[hit]]
-    return out
 
 
 def _prev_same_stream(pid: np.ndarray, tid: np.ndarray, ts: np.ndarray) -> np.ndarray:
@@ -295,7 +279,7 @@ def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> 
     r_rows = rt.index.to_numpy()
     r_tid = rt["tid"].cat.codes.to_numpy() if hasattr(rt["tid"], "cat") else np.zeros(len(rt), np.int64)
     r_corr = rt["corr"].to_numpy()
-    link = _link(d_corr, rt)
+    link = launch_positions(d_corr, rt)
     first_corr = int(r_corr[r_corr >= 0].min()) if (r_corr >= 0).any() else None
     pre_trace = (link < 0) & (d_corr >= 0) & (first_corr is not None) & (d_corr < (first_corr or 0))
 

@@ -177,8 +177,9 @@ DEVICE_BEHIND = 0.05
 the device ran them: the replay's own fidelity bar (whatif.FIDELITY_OK)."""
 
 
-def device_steps(ev: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
-    """GPU: the steps as the device ran them, where the host ran ahead of it.
+def device_steps(ev: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
+    """GPU: the steps as the device ran them, where the host ran ahead of it; with the warning
+    that says so (None: the host's steps stand).
 
     A host that launches faster than the device runs (no sync in the loop, early in a job) ends
     its steps while their work still waits in the launch queue: its step spans measure how fast it
@@ -192,41 +193,55 @@ def device_steps(ev: pd.DataFrame, steps: pd.DataFrame) -> tuple[pd.DataFrame, l
     them."""
     n = len(steps)
     if n == 0:
-        return steps, []
+        return steps, None
     dev = ev[_kind_mask(ev, KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY, KIND_MEMSET)]
     rt = ev[_kind_mask(ev, KIND_RUNTIME)]
-    rt = rt[(rt["corr"] >= 0).to_numpy()].drop_duplicates("corr")
-    linked = dev[(dev["corr"] >= 0).to_numpy()].merge(rt[["corr", "ts"]].rename(columns={"ts": "launch"}),
-                                                      on="corr", how="inner")
-    if linked.empty:
-        return steps, []
+    pos = launch_positions(dev["corr"].to_numpy(), rt)
+    if not (pos >= 0).any():
+        return steps, None
     start, end = steps["start"].to_numpy(dtype=float), steps["end"].to_numpy(dtype=float)
-    launch = linked["launch"].to_numpy(dtype=float)
+    launch = rt["ts"].to_numpy(dtype=float)[pos[pos >= 0]]
+    d_start = dev["ts"].to_numpy(dtype=float)[pos >= 0]
+    d_end = d_start + dev["dur"].to_numpy(dtype=float)[pos >= 0]
     k = np.searchsorted(start, launch, side="right") - 1
     inside = (k >= 0) & (launch < end[np.clip(k, 0, None)])
     if not inside.any():
-        return steps, []
-    k = k[inside]
-    d_start = linked["ts"].to_numpy(dtype=float)[inside]
-    d_end = d_start + linked["dur"].to_numpy(dtype=float)[inside]
+        return steps, None
+    k, d_start, d_end = k[inside], d_start[inside], d_end[inside]
     first = np.full(n, np.inf)
     last = np.full(n, -np.inf)
     np.minimum.at(first, k, d_start)
     np.maximum.at(last, k, d_end)
     if not np.isfinite(first).all() or (np.diff(first) <= 0).any():
-        return steps, []  # a step launched nothing on the device, or out of order: keep the host's
+        return steps, None  # a step launched nothing on the device, or out of order: keep the host's
     host = end - start
     # the last step: its own device work when the device began it only after the host had ended
     # it (still behind); else the longer of that and the host's span
     own = last[-1] - first[-1]
     dev_ms = np.append(np.diff(first), own if first[-1] >= end[-1] else max(own, host[-1]))
     if abs(dev_ms.sum() - host.sum()) <= DEVICE_BEHIND * host.sum():
-        return steps, []
+        return steps, None
     lag = first - start
-    out = steps.assign(start=first, end=first + dev_ms)
-    return out, [f"the host ran ahead of the device (its launches waited up to {lag.max() / 1000:.1f} ms in the "
-                 f"queue): steps are timed as the device ran them, {dev_ms.mean() / 1000:.1f} ms on average "
-                 f"against the host's {host.mean() / 1000:.1f} ms"]
+    return steps.assign(start=first, end=first + dev_ms), (
+        f"the host ran ahead of the device (its launches waited up to {lag.max() / 1000:.1f} ms in the queue): "
+        f"steps are timed as the device ran them, {dev_ms.mean() / 1000:.1f} ms on average against the host's "
+        f"{host.mean() / 1000:.1f} ms")
+
+
+def launch_positions(dev_corr: np.ndarray, rt: pd.DataFrame) -> np.ndarray:
+    """Position in `rt` of each device event's launch call (-1: none)."""
+    corr = rt["corr"].to_numpy()
+    ok = corr >= 0
+    pos = np.flatnonzero(ok)
+    c = corr[ok]
+    order = np.argsort(c, kind="stable")
+    c, pos = c[order], pos[order]
+    i = np.searchsorted(c, dev_corr)
+    hit = (i < c.size) & (dev_corr >= 0)
+    hit[hit] = c[i[hit]] == dev_corr[hit]
+    out = np.full(dev_corr.size, -1, dtype=np.int64)
+    out[hit] = pos[i[hit]]
+    return out
 
 
 def _bytes_of(args: dict) -> float:
@@ -320,9 +335,10 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
     is_gpu = bool(kinds.isin([KIND_KERNEL, KIND_COMM_KERNEL]).any())
     device_timed = False
     if is_gpu:
-        steps, w = device_steps(ev, steps)
-        warnings += [f"rank {rank}: {x}" for x in w]
-        device_timed = bool(w)
+        steps, ahead = device_steps(ev, steps)
+        if ahead:
+            warnings.append(f"rank {rank}: {ahead}")
+            device_timed = True
     dl_mask = _names_matching(ev, DATALOADER) & _kind_mask(ev, KIND_ANNOTATION, KIND_CPU_OP)
     dl = ev[dl_mask]
     dataloader = union(dl["ts"], dl["ts"] + dl["dur"])
