@@ -5,6 +5,13 @@ the prediction is its step time without the cause, as `diagnose scale` gives it 
 graph replayed with the cause removed: diagnose.scaling.what_if_step). The same job then
 runs with the cause removed; its measured step time is the truth.
 
+Two ranks on a 2-core machine contend for the cores only while both compute: a rank whose peer
+sleeps (a straggler, a slow loader) computes alone and faster (measured once: 76 ms of compute
+per step in the two-cause job against 86 ms in the healthy one), a speed no replay of the faulty
+run can know it will lose. Pinning each rank to its own core (`--pin-cores`) was tried: it evened
+the compute (81 against 82 ms) but put gloo's threads on the busy core, and the tiny-buckets
+pairs then spread from -49% to -4%; not used.
+
     python benchmarks/bench_whatif.py [--repeats 2]
 """
 from __future__ import annotations
@@ -43,13 +50,13 @@ def run(out: Path, args: list[str]):
 
 
 def predict_and_measure(tmp: Path, cause: str, bad: list[str], good: list[str], i: int) -> tuple[float, float]:
-    from diagnose.scaling import what_if_step
+    from diagnose.scaling import step_without, what_if_step
 
     p, d = run(tmp / f"{cause}-bad-{i}", bad)
     if cause == "combined":  # every flagged cause removed together, replayed
         rep = d.extras.get("replay") or {}
         base = rep.get("replayed_step_ms") or p.step_ms
-        predicted = p.step_ms * (base - rep.get("combined_what_if_ms", 0.0)) / base
+        predicted = step_without(p.step_ms, base, rep.get("combined_what_if_ms", 0.0))
         singles = {f.id: f.recoverable_ms for f in d.findings}
         print(f"  combined #{i}: findings {singles}, combined {rep.get('combined_what_if_ms')} ms", flush=True)
     else:
@@ -70,13 +77,15 @@ def main() -> None:
             pairs = [predict_and_measure(Path(d), cause, bad, good, i) for i in range(a.repeats)]
             pred = statistics.median(p for p, _ in pairs)
             meas = statistics.median(m for _, m in pairs)
-            rows.append((cause, " ".join(bad), pred, meas, (pred - meas) / meas))
+            errs = [(p - m) / m for p, m in pairs]
+            rows.append((cause, " ".join(bad), pred, meas, (pred - meas) / meas, min(errs), max(errs)))
             print(f"{cause}: predicted {pred:.1f} ms, measured {meas:.1f} ms, error {(pred - meas) / meas:+.1%}",
                   flush=True)
-    print("\n| cause | injected | predicted step after fix (ms) | measured after fix (ms) | error |")
-    print("|---|---|---|---|---|")
-    for cause, bad, pred, meas, err in rows:
-        print(f"| {cause} | `{bad}` | {pred:.1f} | {meas:.1f} | {err:+.1%} |")
+    print("\n| cause | injected | predicted step after fix (ms) | measured after fix (ms) | error (medians) "
+          "| each pair's error |")
+    print("|---|---|---|---|---|---|")
+    for cause, bad, pred, meas, err, lo, hi in rows:
+        print(f"| {cause} | `{bad}` | {pred:.1f} | {meas:.1f} | {err:+.1%} | {lo:+.1%} .. {hi:+.1%} |")
 
 
 if __name__ == "__main__":

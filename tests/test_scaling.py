@@ -48,8 +48,8 @@ def test_unexplained_is_always_reported():
 
 def test_replayed_costs_the_verdict_and_what_ifs_that_stay_positive():
     """Replayed costs overlap (straggler 60 + DataLoader 40 > the 80 ms the two cost together):
-    the waterfall still sums to the lost speedup through unexplained; a what-if scales the probed
-    step by the replayed step without the cause; the verdict names the straggler's rank."""
+    the waterfall still sums to the lost speedup through unexplained; a what-if takes what the
+    replay gives back off the probed step; the verdict names the straggler's rank."""
     base = point(1, 100.0, {"straggler": 0.0, "dataloader_starvation": 0.0}, 100.0, replayed=100.0)
     top = point(2, 180.0, {"straggler": 60.0, "dataloader_starvation": 40.0}, 100.0, replayed=180.0)
     s = account({1: base, 2: top}, ranks_by_cause={"straggler": (1,)})
@@ -62,6 +62,23 @@ def test_replayed_costs_the_verdict_and_what_ifs_that_stay_positive():
     assert all(x.step_ms > 0 for x in s.what_if)
     assert s.verdict.startswith("1.11x of an ideal 2.00x at N=2: the largest loss is waiting for a straggler on rank 1")
     assert "without it a step would take 120.0 ms" in s.verdict
+
+
+def test_a_wait_comes_off_the_probed_step_as_it_is_and_host_op_time_is_scaled():
+    """The profiled steps (509 ms replayed) are longer than the probed ones (490 ms) by the
+    profiler's per-op overhead: a 410 ms DataLoader wait lasts as long in both, so the step
+    without it is 490 - 410 = 80 ms (the ratio 490 x 99/509 kept 16 ms of the wait: 96 ms).
+    Launch overhead is the host's own op time, which the overhead lengthens: scaled. A wait
+    longer than the probed step (the profiled window unlike the rest): scaled, never negative."""
+    top = ScalePoint(nproc=2, step_ms=490.0, step_source="probe steps", per_rank_batch=32, throughput=None,
+                     speedup=1.0, efficiency=1.0, run_dir="n2", trace_step_ms=509.0,
+                     causes_ms={"dataloader_starvation": 410.0, "launch_overhead": 50.9, "straggler": 495.0},
+                     compute_ms=90.0, replayed_step_ms=509.0, causes_from="replay")
+    w = {x.id: x.step_ms for x in account({1: point(1, 100.0, {}, 100.0, replayed=100.0), 2: top}).what_if}
+    assert w["dataloader_starvation"] == pytest.approx(80.0)
+    assert w["launch_overhead"] == pytest.approx(490.0 * (509.0 - 50.9) / 509.0, abs=1e-3)
+    assert w["straggler"] == pytest.approx(490.0 * 14.0 / 509.0, abs=1e-3)
+    assert w["every_cause"] == pytest.approx(490.0 - (509.0 - 90.0))
 
 
 def test_an_estimate_as_long_as_the_step_gets_no_what_if():
