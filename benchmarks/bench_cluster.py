@@ -10,7 +10,8 @@ temporary directory. Then, each in its own child process (so peaks do not mix), 
   (diagnose_paths(..., reader=DaskReader)); the cluster's start is timed apart.
 
 Prints wall times, the ratio cluster / local, the client's peak resident memory (VmHWM of the
-child; the workers' are theirs), and the bytes that travelled back per rank.
+child; the workers' are theirs), the bytes that travelled back per rank, and the client's own
+work after the last file arrived (assembly and the checklist: what more workers cannot shorten).
 
     python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks
     python benchmarks/bench_cluster.py --ranks 64        # a quick look
@@ -56,9 +57,14 @@ def measure(kind: str, target: str) -> dict:
     from diagnose.pipeline import diagnose_paths
 
     start_s = 0.0
+    last = [0.0]  # when the last file's result arrived: the rest is the client's own work
+
+    def seen(done: int, n: int, name: str) -> None:
+        last[0] = time.perf_counter()
+
     if kind == "local":
         t = time.perf_counter()
-        d = diagnose_paths([target], jobs=2)
+        d = diagnose_paths([target], jobs=2, progress=seen)
         wall = time.perf_counter() - t
         back = None
     else:
@@ -68,11 +74,11 @@ def measure(kind: str, target: str) -> dict:
         with connect("local:2") as reader:
             start_s = time.perf_counter() - t0
             t = time.perf_counter()
-            d = diagnose_paths([target], reader=reader)
+            d = diagnose_paths([target], reader=reader, progress=seen)
             wall = time.perf_counter() - t
             back = reader.stats.bytes_back / max(reader.stats.files, 1)
     assert len(d.run.ranks_found) >= 1
-    return {"wall_s": wall, "start_s": start_s, "peak_mb": _peak_mb(), "bytes_per_rank": back,
+    return {"wall_s": wall, "start_s": start_s, "after_read_s": t + wall - last[0] if last[0] else None, "peak_mb": _peak_mb(), "bytes_per_rank": back,
             "ranks": len(d.run.ranks_found), "top": d.top.id if d.top else None}
 
 
@@ -106,15 +112,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((n, local, clus))
             print(f"{n} ranks: local {local}\n{n} ranks: cluster {clus}", flush=True)
     print("\n| ranks | single machine (2 processes) | LocalCluster of 2 (its start apart) | ratio | client peak, "
-          "single / cluster | back per rank |")
-    print("|---|---|---|---|---|---|")
+          "single / cluster | back per rank | client's own work after the last file, single / cluster |")
+    print("|---|---|---|---|---|---|---|")
     for n, lo, cl in rows:
         if "error" in lo or "error" in cl:
-            print(f"| {n} | {lo.get('error', '')} | {cl.get('error', '')} | | | |")
+            print(f"| {n} | {lo.get('error', '')} | {cl.get('error', '')} | | | | |")
             continue
         print(f"| {n} | {lo['wall_s']:.1f} s | {cl['wall_s']:.1f} s (+{cl['start_s']:.1f} s) | "
               f"{cl['wall_s'] / lo['wall_s']:.2f}x | {lo['peak_mb']:.0f} / {cl['peak_mb']:.0f} MB | "
-              f"{cl['bytes_per_rank'] / 1024:.0f} KiB |")
+              f"{cl['bytes_per_rank'] / 1024:.0f} KiB | {lo['after_read_s']:.1f} / {cl['after_read_s']:.1f} s |")
     return 0
 
 

@@ -21,7 +21,10 @@ from click.testing import CliRunner
 from tests.conftest import shared
 from diagnose.errors import DiagnoseError
 from diagnose.output import diagnosis_dict
+from diagnose.analyzers import reduce_rank
+from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.pipeline import diagnose_paths
+from tests.test_ingest import kept_once
 
 distributed = pytest.importorskip("distributed")  # the test extra installs it: this guards a bare checkout
 
@@ -104,6 +107,13 @@ def test_a_shared_path_seen_by_every_worker_is_read_once(cluster):
     keys = completed_loads(ts.data)
     assert len(keys) == 8 and len({k.split("-", 3)[3] for k in keys}) == 8
     assert sorted(reader.stats.read_on.values()) == [4, 4]  # split by bytes over the two workers
+
+
+def test_ranks_repeated_names_and_metadata_arrive_once(cluster):
+    c, client = cluster
+    workers(client)
+    with connect(c.scheduler_address) as reader:
+        kept_once(reader.load([DLRM], DEFAULT_MAX_BYTES, reduce_rank))
 
 
 def test_diff_reads_both_runs_on_the_cluster(cluster, tmp_path, capsys):

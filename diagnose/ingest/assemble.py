@@ -16,13 +16,14 @@ the files (ingest/cluster.py) and only its result travels.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -97,6 +98,32 @@ class Loaded:
     idle: IdleModel | ReduceFailed | None = None
 
 
+@runtime_checkable
+class SharesText(Protocol):
+    """A per-rank summary holding names that other ranks repeat (straggler.RankOps)."""
+
+    def shared(self, texts: dict[str, str]) -> SharesText: ...
+
+
+@dataclass(slots=True)
+class Repeats:
+    """What ranks repeat, kept once in the parent: each arriving rank's op names and file metadata
+    are swapped for the first equal copy seen. Every rank's result is unpickled into objects of its
+    own; at 1,024 ranks their identical kernel names and device properties were most of the
+    client's memory (#20: the client's peak should not grow with the rank count)."""
+
+    texts: dict[str, str] = field(default_factory=dict)
+    values: dict[str, object] = field(default_factory=dict)
+
+    def take(self, x: Loaded) -> Loaded:
+        if x.trace is not None:
+            # metadata is read, never written, after loading: one copy can serve every rank
+            x.trace.meta = {k: self.values.setdefault(json.dumps(v, sort_keys=True, default=str), v)
+                            for k, v in x.trace.meta.items()}
+        x.facts = {k: (v.shared(self.texts) if isinstance(v, SharesText) else v) for k, v in x.facts.items()}
+        return x
+
+
 def load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
     """One file, parsed and reduced; never raises (what went wrong is the Loaded's error). Runs in
     this process, in a local worker process, or on a Dask worker next to the file (ingest/cluster.py)."""
@@ -157,6 +184,7 @@ Progress = Callable[[int, int, str], None]
 
 def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Reduce | None = None,
                progress: Progress | None = None) -> list[Loaded]:
+    repeats = Repeats()
     total = sum(_size(f) for f in files)
     work = [(str(f), max_bytes, reduce) for f in files]
     workers = min(jobs or os.cpu_count() or 1, len(files))
@@ -167,14 +195,14 @@ def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Redu
                 futures = {pool.submit(load_one, w): i for i, w in enumerate(work)}
                 out: list[Loaded | None] = [None] * len(work)
                 for done, fut in enumerate(as_completed(futures), 1):
-                    out[futures[fut]] = fut.result()
+                    out[futures[fut]] = repeats.take(fut.result())
                     tell(done, len(work), Path(work[futures[fut]][0]).name)
                 return [x for x in out if x is not None]
         except (OSError, BrokenProcessPool):
             pass  # no processes to be had (sandbox, limits, a worker killed): read here instead
     out_serial = []
     for done, w in enumerate(work, 1):
-        out_serial.append(load_one(w))
+        out_serial.append(repeats.take(load_one(w)))
         tell(done, len(work), Path(w[0]).name)
     return out_serial
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diagnose.errors import DiagnoseError
-from diagnose.ingest.assemble import INTERNAL_ERROR, Loaded, Progress, Reduce, load_one
+from diagnose.ingest.assemble import INTERNAL_ERROR, Loaded, Progress, Reduce, Repeats, load_one
 from diagnose.ingest.discover import discover_traces
 
 INSTALL = "pip install 'torch-diagnose[dask]'"
@@ -239,6 +239,7 @@ class DaskReader:
             assigned[a] += f.size
         tell = progress or (lambda done, n, name: None)
         out: dict[Listed, Loaded] = {}
+        repeats = Repeats()
         tried: dict[Listed, list[str]] = {f: [] for f in files}
         pending: dict[object, Listed] = {}
 
@@ -288,7 +289,7 @@ class DaskReader:
                         continue
                     self.stats.bytes_back += len(blob)
                     self.stats.read_on[addr] = self.stats.read_on.get(addr, 0) + 1
-                    out[f] = pickle.loads(blob)
+                    out[f] = repeats.take(pickle.loads(blob))
                     tell(len(out), len(files), Path(f.path).name)
                 elif fut.status == "error" and not _killed(fut.exception()):
                     # load_one never raises: this is the result failing to pickle, or the like
