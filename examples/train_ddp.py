@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         with open(f"{args.step_log}.rank{rank}", "w") as f:
             f.write("\n".join(f"{t:.4f}" for t in step_times) + "\n")
     if distributed:
+        # leave together: a rank tearing its gloo connections down while a peer still reads from
+        # them can abort that peer at exit (SIGABRT: three jobs, in two of the e2e suite's recent runs)
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
