@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     if distributed:
         # leave together, and let the DDP wrapper (its reducer holds the process group and its
         # hooks) go before the group does, not at interpreter teardown: jobs without the probes
-        # aborted at exit ("terminate called without an active exception", SIGABRT) in three of the
-        # e2e suite's last four runs; a mitigation, the cause is not pinned down
+        # aborted at exit ("terminate called without an active exception", SIGABRT) in three of four
+        # e2e runs on 2026-12-04; a mitigation, the cause is not pinned down
         dist.barrier()
         del model, opt
         gc.collect()

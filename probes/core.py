@@ -237,16 +237,6 @@ class Probe:
         except Exception as exc:  # noqa: BLE001
             self._fail("cuda timing", exc)
 
-    def _device_timing(self) -> list:
-        """Earlier steps as the device ran them, read now (never waited for)."""
-        if not self.ok("device timing"):
-            return []
-        try:
-            return self._device_steps.resolved()
-        except Exception as exc:  # noqa: BLE001
-            self._fail("device timing", exc)
-            return []
-
     def on_span(self, kind: str, name: str, start: float, end: float, **info) -> None:
         """Any other timed work inside the step (start/end: time.perf_counter())."""
         try:
@@ -261,7 +251,9 @@ class Probe:
         """Step boundary (after optimizer.step, or the user's `w.step()`)."""
         now = time.perf_counter()
         self._resolve_cuda()
-        device = self._device_timing()
+        # earlier steps as the device ran them, read now (never waited for)
+        device = (self._quietly("device timing", self._device_steps.resolved, []) if self.ok("device timing")
+                  else [])
         try:
             with self._lock:
                 dur_ms = (now - self._t0) * 1000.0
@@ -434,11 +426,13 @@ class Probe:
         except Exception as exc:  # noqa: BLE001
             self._fail("trace export", exc)
 
-    def _quietly(self, part: str, fn) -> None:
+    def _quietly(self, part: str, fn, default=None):
+        """fn()'s value, or `default` once `part` has failed (logged once, switched off)."""
         try:
-            fn()
+            return fn()
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
             self._fail(part, exc)
+            return default
 
     def close(self) -> None:
         hang_done = True

@@ -192,3 +192,20 @@ def pytest_configure(config):
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None and config.getoption("verbose") < 0:
         tr.showfspath = True
+
+
+def kept_once(loaded) -> None:
+    """Every rank's repeated op names and file metadata are one object in the parent (#20: the
+    client's memory per rank; checked by identity, not by equality)."""
+    ok = [x for x in loaded if x.trace is not None]
+    assert len(ok) >= 2
+    first = {n: n for n, _, _ in ok[0].facts["straggler"].ops}
+    common = 0
+    for x in ok[1:]:
+        assert x.trace.meta["deviceProperties"] is ok[0].trace.meta["deviceProperties"]
+        for n, _, _ in x.facts["straggler"].ops:
+            if n in first:
+                assert n is first[n]
+                common += 1
+    assert common > 100  # the eight DLRM ranks run the same kernels
+

@@ -18,13 +18,12 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from tests.conftest import shared
+from tests.conftest import kept_once, shared
 from diagnose.errors import DiagnoseError
 from diagnose.output import diagnosis_dict
 from diagnose.analyzers import reduce_rank
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.pipeline import diagnose_paths
-from tests.test_ingest import kept_once
 
 distributed = pytest.importorskip("distributed")  # the test extra installs it: this guards a bare checkout
 

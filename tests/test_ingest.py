@@ -17,7 +17,7 @@ from diagnose.ingest.source import ReadState, iter_blocks
 from diagnose.ingest.stream import CHUNK, parse_stream
 from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.ingest.assemble import load_one, load_files, load_run
-from tests.conftest import SHARED
+from tests.conftest import SHARED, kept_once
 
 
 def ev(name: str = "aten::mm", ts: float = 10.0, dur: float = 5.0, cat: str = "cpu_op", **kw) -> dict:
@@ -353,22 +353,6 @@ def test_load_progress_counts_every_file_once(tmp_path, monkeypatch, parallel):
     assert [c[0] for c in calls] == [1, 2, 3] and {c[1] for c in calls} == {3}
     assert sorted(c[2] for c in calls) == ["rank0.json", "rank1.json", "rank2.json"]
     assert [x.path.name for x in loaded] == ["rank0.json", "rank1.json", "rank2.json"]  # input order kept
-
-
-def kept_once(loaded) -> None:
-    """Every rank's repeated op names and file metadata are one object in the parent (#20: the
-    client's memory per rank; checked by identity, not by equality)."""
-    ok = [x for x in loaded if x.trace is not None]
-    assert len(ok) >= 2
-    first = {n: n for n, _, _ in ok[0].facts["straggler"].ops}
-    common = 0
-    for x in ok[1:]:
-        assert x.trace.meta["deviceProperties"] is ok[0].trace.meta["deviceProperties"]
-        for n, _, _ in x.facts["straggler"].ops:
-            if n in first:
-                assert n is first[n]
-                common += 1
-    assert common > 100  # the eight DLRM ranks run the same kernels
 
 
 def test_ranks_repeated_names_and_metadata_are_kept_once():

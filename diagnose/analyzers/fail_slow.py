@@ -107,8 +107,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                                f"{th.fail_slow_min_segment} steps on either side")]
     events = run_changes(probes, th.fail_slow_min_segment, th.fail_slow_effect)
     slower = [e for e in events if e.lost_ms > 0]
-    filled = [(e, pace) for e in slower if (pace := queue_filled(e, ctx, th)) is not None]
-    slower = [e for e in slower if all(e is not x for x, _ in filled)]
+    paced = [(e, queue_filled(e, ctx, th)) for e in slower]
+    filled = [(e, pace) for e, pace in paced if pace is not None]
+    slower = [e for e, pace in paced if pace is None]
     if not slower and filled:
         e, pace = filled[0]
         return [passed(ID, TITLE, f"the host's steps got longer from step {e.step} ({e.step_before_ms:.1f} -> "
