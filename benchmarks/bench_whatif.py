@@ -12,7 +12,7 @@ run can know it will lose. Pinning each rank to its own core (`--pin-cores`) was
 the compute (81 against 82 ms) but put gloo's threads on the busy core, and the tiny-buckets
 pairs then spread from -49% to -4%; not used.
 
-    python benchmarks/bench_whatif.py [--repeats 2]
+    python benchmarks/bench_whatif.py [--repeats 2] [--cases straggler,combined]
 """
 from __future__ import annotations
 
@@ -70,10 +70,16 @@ def predict_and_measure(tmp: Path, cause: str, bad: list[str], good: list[str], 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--cases", default=",".join(c for c, _, _ in CASES),
+                    help="comma-separated cause ids to run (default: all), e.g. to split them across cores")
     a = ap.parse_args()
+    wanted = a.cases.split(",")
+    unknown = set(wanted) - {c for c, _, _ in CASES}
+    if unknown:
+        raise SystemExit(f"unknown case(s): {', '.join(sorted(unknown))}")
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        for cause, bad, good in CASES:
+        for cause, bad, good in (c for c in CASES if c[0] in wanted):
             pairs = [predict_and_measure(Path(d), cause, bad, good, i) for i in range(a.repeats)]
             pred = statistics.median(p for p, _ in pairs)
             meas = statistics.median(m for _, m in pairs)

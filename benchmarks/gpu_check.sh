@@ -8,8 +8,10 @@
 #      diagnosis.json come back in fixtures.tar.gz.
 #   2. benchmarks/bench_whatif.py --repeats 3 on the CPU (cores 6-10, gloo): a quiet host with
 #      more cores than the 2-core development VM.
-#   3. benchmarks/bench_verdicts.py --repeat 10 on the CPU (cores 11-15). BENCH=0: neither.
+#   3. benchmarks/bench_verdicts.py --repeat 10 on the CPU (cores 11-15). BENCH=0: neither;
+#      BENCH=whatif: the what-if cases split over both core sets (two cases each), no verdicts.
 # 2026-12-04: parts 1 took 2.5 min, 2 and 3 were cut at their 300 s (README: what-if table).
+# Second lease the same day: BENCH=whatif with five recordings and DDP took 234 s in all.
 # Needs: the device image's torch; orjson, msgspec and plotly as wheels in .whl/ (name .whl in
 # `carry`):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -72,7 +74,10 @@ export -f record gpu_part
 if [ "${BENCH:-1}" = 1 ]; then
 (CUDA_VISIBLE_DEVICES= taskset -c 6-10 timeout 300 python3 benchmarks/bench_whatif.py --repeats 3 >"$OUT/whatif.txt" 2>&1; echo "whatif rc=$?" >>"$OUT/whatif.txt") &
 (CUDA_VISIBLE_DEVICES= taskset -c 11-15 timeout 300 python3 benchmarks/bench_verdicts.py --repeat 10 >"$OUT/verdicts.txt" 2>&1; echo "verdicts rc=$?" >>"$OUT/verdicts.txt") &
+elif [ "${BENCH:-1}" = whatif ]; then  # the what-if cases split over both core sets, no verdicts
+(CUDA_VISIBLE_DEVICES= taskset -c 6-10 timeout 300 python3 benchmarks/bench_whatif.py --repeats 3 --cases straggler,combined >"$OUT/whatif.txt" 2>&1; echo "whatif rc=$?" >>"$OUT/whatif.txt") &
+(CUDA_VISIBLE_DEVICES= taskset -c 11-15 timeout 300 python3 benchmarks/bench_whatif.py --repeats 3 --cases dataloader_starvation,exposed_communication >"$OUT/whatif2.txt" 2>&1; echo "whatif rc=$?" >>"$OUT/whatif2.txt") &
 fi
 taskset -c 0-5 bash -c gpu_part 2>&1 | tee "$OUT/record.log"
 wait
-tail -n 12 "$OUT/whatif.txt" "$OUT/verdicts.txt" 2>/dev/null || true  # absent with BENCH=0
+tail -n 12 "$OUT/whatif.txt" "$OUT/whatif2.txt" "$OUT/verdicts.txt" 2>/dev/null || true  # absent with BENCH=0

@@ -109,10 +109,13 @@ def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None]:
         if sch.get("enabled"):
             # the profiled window and its trace export are slower than ordinary steps
             skip = (sch.get("wait", 0) + sch.get("warmup", 0) + sch.get("active", 0)) * max(sch.get("repeat", 1), 1) + 2
-        steps = p.steps[p.steps["step"] > skip]
-        if len(steps) < 3:
-            steps = p.steps
-        per_rank.append(float(np.median(job_step_ms(steps))))
+        ms = job_step_ms(p.steps)  # on the whole record: whether the device timed the rank's steps
+        keep = p.steps["step"].to_numpy() > skip
+        if keep.sum() < 3:
+            keep[:] = True
+        ms = ms[keep & np.isfinite(ms)]
+        if ms.size:
+            per_rank.append(float(np.median(ms)))
         b = (p.meta.get("dataloader") or {}).get("batch_size")
         batch = b if isinstance(b, int) else batch
     return (statistics.median(per_rank) if per_rank else None), batch

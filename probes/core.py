@@ -7,7 +7,8 @@ and the failing part switches itself off while training continues.
 
 Files written in `out_dir` (all per rank, all atomic or append-only):
 - `rank{R}.steps.jsonl`  one JSON line per step, flushed every step (survives a killed rank); on
-  CUDA ranks it also carries earlier steps as the device ran them (`device_ms`)
+  CUDA ranks it also carries earlier steps as the device ran them (`device_ms`), and at close
+  one last line with only `device_ms`: the steps the device finished after the host's last step
 - `rank{R}.probe.json`   run metadata + summary, rewritten atomically (temp file + rename)
 - `rank{R}.{stamp}.pt.trace.json.gz`  torch.profiler traces of the scheduled windows
 
@@ -354,12 +355,16 @@ class Probe:
             self._steps_file.close()
             d.replace(name, f"rank{self.rank}.steps.1.jsonl")
             self._steps_file = d.open_append(name, buffering=1 << 16)
+        self._write_line({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
+                          rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
+                          **({"spans": rec.spans} if rec.spans else {}),
+                          **({"device_ms": rec.device} if rec.device else {})})
+
+    def _write_line(self, record: dict) -> None:
         f = self._steps_file
-        f.write(json.dumps({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
-                            rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
-                            **({"spans": rec.spans} if rec.spans else {}),
-                            **({"device_ms": rec.device} if rec.device else {})},
-                           separators=(",", ":")) + "\n")
+        if f is None:
+            return
+        f.write(json.dumps(record, separators=(",", ":")) + "\n")
         f.flush()  # one write syscall per step: a killed rank leaves every finished step readable
 
     def write_sidecar(self, final: bool = False) -> None:
@@ -448,6 +453,10 @@ class Probe:
         if self._profiler is not None:
             self._quietly("profiler", self._profiler.stop)
             self._profiler = None
+        if self.ok("device timing") and self.ok("step log"):  # steps still queued on the device: one last line
+            tail = self._quietly("device timing", self._device_steps.drain, [])
+            if tail:
+                self._quietly("step log", lambda: self._write_line({"device_ms": tail}))
         if self._steps_file is not None:
             self._quietly("step log", self._steps_file.close)
             self._steps_file = None

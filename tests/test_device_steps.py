@@ -1,18 +1,19 @@
 """Steps timed as the device ran them (probes/device_steps.py, diagnose/probedata.py job_step_ms):
 the pairing of step events, the record's `device_ms`, and a host that ran ahead of its device
-read as no slowdown. The CUDA calls themselves ran on the recordings of tests/fixtures/gpu_h200
-only through the probes of that day (before this timing): what runs here is everything around
-them, on plain numbers."""
+read as no slowdown. The CUDA calls themselves ran on an H200 (tests/fixtures/gpu_h200:
+none_long_timed, none_long_drained, checked in tests/test_gpu_fixtures.py): what runs here is
+everything around them, on plain numbers."""
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 
 import numpy as np
 import pytest
 
 from diagnose.probedata import job_step_ms, load_probe_data
-from diagnose.probes.device_steps import DeviceSteps, pair_completed
+from diagnose.probes.device_steps import DeviceSteps, drain, pair_completed
 from diagnose.step.changes import host_timed_gpu_ranks, run_changes
 
 
@@ -69,8 +70,8 @@ def test_a_host_running_ahead_then_throttled_is_no_slowdown_when_the_device_is_t
     p = load_probe_data([tmp_path])
     steps = p[0].steps
     assert np.isfinite(steps["device_ms"]).sum() == 297 and steps["device_ms"].iloc[:297].between(12.5, 12.53).all()
-    # the last three steps' device times never came: the host's stand in
-    assert list(job_step_ms(steps)[-3:]) == [12.5, 12.5, 12.5]
+    # the last three steps' device times never came: left out, the host's times do not stand in
+    assert np.isnan(job_step_ms(steps)[-3:]).all() and np.isfinite(job_step_ms(steps)[:-3]).all()
     assert run_changes(p) == () and host_timed_gpu_ranks(p) == []
     # the same record without the device's times reads as a slowdown at step 150, and says why it may not be
     rows = _rows(300, lambda s: 2.0 if s < 150 else 12.5, lambda s: 12.5)
@@ -99,3 +100,34 @@ def test_malformed_device_entries_are_left_out(tmp_path):
     assert np.isnan(timed[8]) and np.isnan(timed[9])  # their entries were in the malformed records
     assert timed[7] == 6.0 and timed.notna().sum() == 25
 
+
+
+def test_at_close_the_steps_still_queued_are_polled_for_a_bounded_time():
+    """The device finishes the queued steps while the probe polls (each poll runs one more):
+    all come back; a device that never finishes costs the timeout, not a hang."""
+    stamps = [Stamp(12.5 * i, ran=i < 2) for i in range(6)]
+    pending = deque((i + 1, s) for i, s in enumerate(stamps))
+
+    def done(s):
+        if not s.ran:  # one more event runs with each look at a pending one
+            s.ran = True
+            return False
+        return True
+
+    assert drain(pending, done, timeout_s=5.0, poll_s=0.0) == [[2, 12.5], [3, 12.5], [4, 12.5], [5, 12.5],
+                                                                [6, 12.5]]
+    assert len(pending) == 1
+    stuck = deque([(1, Stamp(0.0)), (2, Stamp(5.0, ran=False))])
+    t0 = time.monotonic()
+    assert drain(stuck, lambda s: s.ran, timeout_s=0.05) == [] and len(stuck) == 2
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_the_closing_line_of_device_times_counts(tmp_path):
+    """The probe's last line carries only `device_ms` (the steps drained at close): read as the
+    device times of the steps it names, no step of its own."""
+    rows = _rows(30, lambda s: 2.0, lambda s: 12.5)
+    rows.append({"device_ms": [[28, 12.5], [29, 12.5], [30, 12.5]]})
+    _write(tmp_path, rows)
+    steps = load_probe_data([tmp_path])[0].steps
+    assert len(steps) == 30 and np.isfinite(steps["device_ms"]).all()

@@ -8,12 +8,14 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from diagnose.cli import main
 from diagnose.pipeline import diagnose_paths
-from diagnose.probedata import load_probe_data
+from diagnose.probedata import job_step_ms, load_probe_data
+from diagnose.step.changes import run_changes
 
 FIX = Path(__file__).parent / "fixtures" / "gpu_h200"
 DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -243,3 +245,33 @@ def test_a_record_with_the_devices_times_is_taken_as_the_jobs():
     timed = {0: dataclasses.replace(probes[0], steps=probes[0].steps.assign(device_ms=12.6))}
     assert host_timed_pace(0, build_context(run, timed)) is None
     assert host_timed_pace(0, build_context(fixture_run(FIX / "dataloader"), load_probe_data([FIX / "dataloader"]))) is None
+
+
+def test_steps_the_device_did_not_time_are_left_out_not_stood_in_for_by_the_hosts():
+    """none_long_timed (probes with device timing, before the closing drain): the job ended with
+    its last 25 steps queued, so their device times never came; the host's own times there are
+    2-3 ms (the profiler's export had drained the queue). Standing in for the device, they read
+    as a change to a faster step at step 275; left out, the run is steady at the device's pace."""
+    name = "none_long_timed"
+    rows = [json.loads(x) for x in (FIX / name / "rank0.steps.jsonl").read_text().splitlines()]
+    timed = {s: ms for r in rows for s, ms in r.get("device_ms", [])}
+    untimed = [r["step"] for r in rows if r["step"] > 0 and r["step"] not in timed]
+    assert untimed == list(range(275, 300))
+    assert statistics.median(r["dur_ms"] for r in rows if 275 <= r["step"] < 285) < 5
+    assert statistics.median(v for k, v in timed.items() if 40 <= k < 250) == pytest.approx(12.7, abs=0.1)
+    probes = load_probe_data([FIX / name])
+    assert run_changes(probes) == ()
+    ms = job_step_ms(probes[0].steps)
+    assert int(np.isnan(ms).sum()) == 25
+    (c,) = [c for c in diagnosis(name).checks if c.id == "fail_slow"]
+    assert c.status == "passed" and "faster" not in c.reason, c.reason
+
+
+def test_at_close_the_probe_times_the_steps_still_queued():
+    """none_long_drained: the same run with probes that poll the device at close: the last line carries only the 25 steps the device finished after the host's
+    last step, so every step is timed as the device ran it."""
+    rows = [json.loads(x) for x in (FIX / "none_long_drained" / "rank0.steps.jsonl").read_text().splitlines()]
+    assert set(rows[-1]) == {"device_ms"} and [s for s, _ in rows[-1]["device_ms"]] == list(range(275, 300))
+    steps = load_probe_data([FIX / "none_long_drained"])[0].steps
+    assert len(steps) == 299 and np.isfinite(job_step_ms(steps)).all()
+    assert statistics.median(job_step_ms(steps)) == pytest.approx(12.7, abs=0.1)

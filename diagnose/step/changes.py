@@ -184,6 +184,10 @@ def rank_series(probes: dict[int, ProbeData]) -> Iterator[RankSeries]:
             continue
         s = s.drop_duplicates("step", keep="last").sort_values("step")
         step = job_step_ms(s)  # the device's where timed: a host running ahead is no fast job
+        if np.isnan(step).any():  # steps the device did not time are left out, not stood in for
+            s, step = s[~np.isnan(step)], step[~np.isnan(step)]
+            if s.empty:
+                continue
         loader = s["dataloader_ms"].fillna(0.0).to_numpy(dtype=float)
         comm = s["comm_ms"].fillna(0.0).to_numpy(dtype=float)
         steps = s["step"].to_numpy(dtype=np.int64)
