@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.9"
+SCHEMA_VERSION = "1.10"
 
 FindingId = Literal[
     "dataloader_starvation",

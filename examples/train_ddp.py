@@ -11,6 +11,7 @@ Presets (--pathology; explicit flags below override them):
   straggler     rank 1 sleeps 150 ms before each backward
   tiny-batch    micro-batch of 1 on a deep, narrow model: per-op overhead dominates
   tiny-buckets  many small all-reduces (bucket_cap_mb tiny) on a wide model
+  huge-bucket   one 64 MB bucket (bucket_cap_mb=1000): reduced only after the whole backward
   straggler-dataloader  two causes on one rank: rank 1 sleeps 100 ms before each backward and its
                 own DataLoader is slow (0.4 ms per sample, about 100 ms per step)
   accum-no-sync gradient accumulation over 4 micro-batches that all-reduces on every one of them
@@ -86,6 +87,9 @@ PRESETS: dict[str, dict] = {
     "straggler": {"straggler_rank": 1, "straggler_ms": 150.0},
     "tiny-batch": {"batch_size": 1, "dim": 32, "hidden": 32, "layers": 40, "repeat": 1},
     "tiny-buckets": {"bucket_cap_mb": 0.01, "layers": 6, "repeat": 1},
+    # 16 layers of 1024 (64 MB of fp32 gradients) in one bucket: its all-reduce starts after the
+    # whole backward; `--bucket-cap-mb 25` (the default) is the fix
+    "huge-bucket": {"bucket_cap_mb": 1000.0, "layers": 16, "hidden": 1024, "repeat": 1, "batch_size": 64},
     "straggler-dataloader": {"straggler_rank": 1, "straggler_ms": 100.0, "slow_getitem_ms": 0.4,
                              "slow_getitem_rank": 1, "num_workers": 0},
     # a wide model (3.4M parameters: 13.6 MB of gradients, one bucket) so the three needless

@@ -30,6 +30,21 @@ FIX_TINY = ("Collectives are many and small: raise DDP bucket_cap_mb (default 25
 # Hundreds of collectives per step under 1 MiB each: latency-bound, i.e. no bucketing.
 MANY_COLLECTIVES = 50
 SMALL_BYTES = SMALL_MESSAGE_BYTES  # one definition of a small collective (step/bandwidth.py: why 1 MiB)
+# One all-reduce carrying most of a step's gradients, too big for DDP's default bucket: DDP
+# all-reduces a bucket once every gradient in it is ready, so one bucket holding them all starts
+# after the whole backward and nothing can overlap it. Over twice the default cap, the default
+# would make at least two buckets, the first reduced while the backward still runs.
+DDP_DEFAULT_CAP_BYTES = 25 * 1024**2
+ONE_BUCKET_SHARE = 0.75
+LITTLE_OVERLAP = 0.25
+
+
+def fix_one_bucket(cap_mb: float, largest_mb: float) -> str:
+    return (f"One DDP bucket carries {largest_mb:.0f} MB of gradients (bucket_cap_mb={cap_mb:g}): DDP all-reduces "
+            "a bucket only once every gradient in it is ready, so it starts after the whole backward and "
+            "nothing overlaps it. Lower bucket_cap_mb to the default 25 (or about a quarter of the "
+            "gradients) so the first buckets are reduced while the backward still runs; "
+            "gradient_as_bucket_view=True saves the copy into them.")
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
@@ -57,6 +72,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     per_step = float(np.median(counts)) if counts else 0.0
     median_bytes = float(np.median(sizes)) if sizes else float("nan")
     tiny = per_step >= MANY_COLLECTIVES and (not sizes or median_bytes < SMALL_BYTES)
+    largest, reduced = _largest_all_reduce(run)
+    cap_mb = ctx.probe_meta("model").get("ddp_bucket_cap_mb")
     metrics: dict[str, float | int | str] = {
         "exposed_comm_ms_per_step": round(ms, 3),
         "comm_ms_per_step": round(total_ms, 3),
@@ -65,6 +82,12 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         "median_collective_bytes": round(median_bytes) if sizes else "not recorded",
         "share_of_step": round(share, 4),
     }
+    bucket = None if tiny else one_bucket(largest, reduced, metrics["overlapped_share"], cap_mb, run.is_gpu)
+    if bucket:
+        metrics["largest_all_reduce_bytes"] = round(largest)
+        metrics["all_reduce_bytes_per_step"] = round(reduced)
+        if isinstance(cap_mb, (int, float)) and not isinstance(cap_mb, bool):
+            metrics["ddp_bucket_cap_mb"] = cap_mb
     if wait_ms > 0:
         metrics["peer_wait_ms_per_step_not_counted"] = round(wait_ms, 3)
     for r in exposed.index:
@@ -83,7 +106,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     ranks = tuple(int(r) for r in exposed[exposed / ctx.per_rank_mean("step_ms") >= th.communication].index)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
-        ranks=ranks or tuple(run.ranks), metrics=metrics, events=refs, fix=FIX_TINY if tiny else FIX,
+        ranks=ranks or tuple(run.ranks), metrics=metrics, events=refs,
+        fix=FIX_TINY if tiny else (bucket and bucket[1]) or FIX,
         confidence=confidence_for(ctx, "high" if len(run.ranks) > 1 else "medium"),
         method="Median over ranks of per-step communication not hidden under compute, excluding time "
                "spent waiting for the last-arriving rank (a late peer: the straggler check's).")
@@ -91,4 +115,49 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
               f"{metrics['overlapped_share']:.0%} of it overlaps compute")
     if tiny:
         reason += f"; {per_step:.0f} small collectives per step (no bucketing?)"
+    elif bucket:
+        reason += bucket[0]
     return [flag_or_pass(f, th.communication, th, reason, ctx)]
+
+
+def one_bucket(largest: float, reduced: float, overlapped_share: float, cap_mb, gpu: bool
+               ) -> tuple[str, str | None] | None:
+    """Most of a step's all-reduced bytes in one all-reduce, too big for one default DDP bucket,
+    and next to nothing of the communication overlapped: (the reason's note, the fix or None).
+    The bucket cap the probes recorded says whether lowering it splits the bytes: a parameter
+    larger than the cap gets a bucket of its own whatever the cap. The fix is given on GPU runs
+    only: on a CPU-only job gloo's transfers run on the cores the backward uses, and overlapping
+    them may not pay (measured on the 2-core development VM, `--pathology huge-bucket`: 171 ms a
+    step with one bucket, 184 ms with 25 MB buckets, the backward slowed by the transfers beside it)."""
+    if not (largest > 2 * DDP_DEFAULT_CAP_BYTES and largest >= ONE_BUCKET_SHARE * reduced
+            and overlapped_share < LITTLE_OVERLAP):
+        return None
+    note = f"; one all-reduce carries {largest / 1e6:.1f} of the {reduced / 1e6:.1f} MB reduced per step, after the backward"
+    if not (isinstance(cap_mb, (int, float)) and not isinstance(cap_mb, bool)):
+        return note + (" (one DDP bucket, or one parameter larger than the bucket cap: the probes' record of "
+                       "bucket_cap_mb would tell)"), None
+    if cap_mb * 1024**2 < 0.9 * largest:
+        return note + f" (one parameter larger than bucket_cap_mb={cap_mb:g}: no bucket setting splits it)", None
+    if not gpu:
+        return note + (f" (one bucket: bucket_cap_mb={cap_mb:g}; on a CPU-only job smaller buckets would send "
+                       "while the backward computes, on the same cores: measure before changing it)"), None
+    return note + f" (one bucket: bucket_cap_mb={cap_mb:g})", fix_one_bucket(cap_mb, largest / 1e6)
+
+
+def _largest_all_reduce(run) -> tuple[float, float]:
+    """The median over ranks and steps of a step's largest all-reduce (bytes) and of its all-reduced
+    bytes together; (0, 0) where no all-reduce records its bytes."""
+    largest, total = [], []
+    for tl in run.timelines.values():
+        c = tl.collectives
+        if c.empty:
+            continue
+        c = c[(c["step"] >= 0) & c["name"].str.lower().str.replace("_", "").str.contains("allreduce")
+              & c["bytes"].notna()]
+        if len(c):
+            g = c.groupby("step")["bytes"]
+            largest += list(g.max())
+            total += list(g.sum())
+    if not largest:
+        return 0.0, 0.0
+    return float(np.median(largest)), float(np.median(total))

@@ -1,0 +1,73 @@
+"""DDP bucket size read from the trace (diagnose/analyzers/communication.py: one_bucket): one
+all-reduce carrying most of a step's gradients, too big for a default bucket, with nothing of the
+communication overlapped. The recorded job (tests/fixtures/cpu_huge_bucket_2rank) is checked
+against its raw events; each branch of the rule on hand-made figures."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from diagnose.analyzers.communication import DDP_DEFAULT_CAP_BYTES, FIX, one_bucket
+from tests.conftest import fixture_diagnosis
+
+ROOT = Path(__file__).parent / "fixtures" / "cpu_huge_bucket_2rank"
+MB = 1e6
+
+
+def _raw_bytes_per_step(path: Path) -> list[int]:
+    """Each profiled step's gloo all-reduce bytes (Input Dims x 4, fp32), from the raw events."""
+    evs = [e for e in json.load(gzip.open(path, "rt"))["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs if str(e["name"]).startswith("ProfilerStep#"))
+    out = []
+    for lo, hi in steps:
+        ops = [e for e in evs if e["name"] == "gloo:all_reduce" and lo <= e["ts"] < hi]
+        out.append(sum(4 * d[0] for e in ops for d in e["args"]["Input Dims"] if e["args"]["Input type"][0] == "float"))
+    return out
+
+
+def test_one_bucket_on_the_recorded_job_is_named_with_its_bytes_and_cap():
+    raw = [b for p in sorted(ROOT.glob("rank*.pt.trace.json.gz")) for b in _raw_bytes_per_step(p)]
+    model = json.loads((ROOT / "rank0.probe.json").read_text())["meta"]["model"]
+    assert set(raw) == {model["param_bytes"]} == {64_032_772} and model["ddp_bucket_cap_mb"] == 1000.0
+    d = fixture_diagnosis(ROOT)
+    (c,) = [c for c in d.checks if c.id == "exposed_communication"]
+    m = c.finding.metrics
+    assert c.status == "flagged" and m["largest_all_reduce_bytes"] == m["all_reduce_bytes_per_step"] == 64_032_772
+    assert m["ddp_bucket_cap_mb"] == 1000.0 and m["overlapped_share"] < 0.05
+    assert "one all-reduce carries 64.0 of the 64.0 MB reduced per step, after the backward" in c.reason
+    # a CPU-only job: the cores the transfers would share are the backward's; no bucket fix
+    assert "CPU-only" in c.reason and c.finding.fix == FIX
+
+
+def test_jobs_whose_gradients_fit_a_default_bucket_get_no_note():
+    """cpu_straggler_2rank: one 2.6 MB bucket a step (all of its gradients, under the default cap)."""
+    (c,) = [c for c in fixture_diagnosis(Path(__file__).parent / "fixtures" / "cpu_straggler_2rank").checks
+            if c.id == "exposed_communication"]
+    assert "one all-reduce carries" not in c.reason
+
+
+BIG = 3 * DDP_DEFAULT_CAP_BYTES  # 78.6 MB
+
+
+@pytest.mark.parametrize("largest, reduced, overlapped", [
+    (2 * DDP_DEFAULT_CAP_BYTES, 2 * DDP_DEFAULT_CAP_BYTES, 0.0),  # the default would make two buckets only at over twice
+    (BIG, BIG / 0.74, 0.0),  # the largest carries under three quarters of the bytes
+    (BIG, BIG, 0.25),  # a quarter of the communication overlaps already
+])
+def test_no_note_outside_the_rule(largest, reduced, overlapped):
+    assert one_bucket(largest, reduced, overlapped, 1000.0, True) is None
+
+
+def test_each_branch_says_what_the_record_can_tell():
+    note, fix = one_bucket(BIG, BIG, 0.0, 100.0, True)  # GPU, the cap let one bucket hold it all
+    assert f"{BIG / MB:.1f} of the {BIG / MB:.1f} MB" in note and "bucket_cap_mb=100)" in note
+    assert fix.startswith(f"One DDP bucket carries {BIG / MB:.0f} MB") and "bucket_cap_mb=100" in fix
+    note, fix = one_bucket(BIG, BIG, 0.0, 25.0, True)  # one parameter larger than the cap: no cap splits it
+    assert "one parameter larger than bucket_cap_mb=25" in note and fix is None
+    note, fix = one_bucket(BIG, BIG, 0.0, None, True)  # traces alone
+    assert "would tell" in note and fix is None
+    note, fix = one_bucket(BIG, BIG, 0.0, 100.0, False)  # CPU-only
+    assert "CPU-only" in note and fix is None
