@@ -78,7 +78,10 @@ def measure(kind: str, target: str) -> dict:
             wall = time.perf_counter() - t
             back = reader.stats.bytes_back / max(reader.stats.files, 1)
     assert len(d.run.ranks_found) >= 1
-    return {"wall_s": wall, "start_s": start_s, "after_read_s": t + wall - last[0] if last[0] else None, "peak_mb": _peak_mb(), "bytes_per_rank": back,
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall_s": wall, "start_s": start_s, "client_cpu_s": ru.ru_utime + ru.ru_stime, "after_read_s": t + wall - last[0] if last[0] else None, "peak_mb": _peak_mb(), "bytes_per_rank": back,
             "ranks": len(d.run.ranks_found), "top": d.top.id if d.top else None}
 
 

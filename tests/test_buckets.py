@@ -1,7 +1,9 @@
-"""DDP bucket size read from the trace (diagnose/analyzers/communication.py: one_bucket): one
-all-reduce carrying most of a step's gradients, too big for a default bucket, with nothing of the
-communication overlapped. The recorded job (tests/fixtures/cpu_huge_bucket_2rank) is checked
-against its raw events; each branch of the rule on hand-made figures."""
+"""DDP bucket size read from the trace (diagnose/analyzers/communication.py): one all-reduce
+carrying most of a step's gradients, too big for a default bucket, with nothing of the
+communication overlapped (one_bucket); a bucket cap below the default splitting the gradients
+into many all-reduces (small_buckets). The recorded jobs (tests/fixtures/cpu_huge_bucket_2rank,
+cpu_tiny_buckets_2rank) are checked against their raw events; each branch of the rules on
+hand-made figures."""
 from __future__ import annotations
 
 import gzip
@@ -10,26 +12,26 @@ from pathlib import Path
 
 import pytest
 
-from diagnose.analyzers.communication import DDP_DEFAULT_CAP_BYTES, FIX, one_bucket
+from diagnose.analyzers.communication import DDP_DEFAULT_CAP_BYTES, FIX, one_bucket, small_buckets
 from tests.conftest import fixture_diagnosis
 
 ROOT = Path(__file__).parent / "fixtures" / "cpu_huge_bucket_2rank"
 MB = 1e6
 
 
-def _raw_bytes_per_step(path: Path) -> list[int]:
-    """Each profiled step's gloo all-reduce bytes (Input Dims x 4, fp32), from the raw events."""
+def _raw_per_step(path: Path) -> list[list[int]]:
+    """Each profiled step's gloo all-reduces' bytes (Input Dims x 4, fp32), from the raw events."""
     evs = [e for e in json.load(gzip.open(path, "rt"))["traceEvents"] if e.get("ph") == "X"]
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs if str(e["name"]).startswith("ProfilerStep#"))
     out = []
     for lo, hi in steps:
         ops = [e for e in evs if e["name"] == "gloo:all_reduce" and lo <= e["ts"] < hi]
-        out.append(sum(4 * d[0] for e in ops for d in e["args"]["Input Dims"] if e["args"]["Input type"][0] == "float"))
+        out.append([sum(4 * d[0] for d in e["args"]["Input Dims"]) for e in ops if e["args"]["Input type"][0] == "float"])
     return out
 
 
 def test_one_bucket_on_the_recorded_job_is_named_with_its_bytes_and_cap():
-    raw = [b for p in sorted(ROOT.glob("rank*.pt.trace.json.gz")) for b in _raw_bytes_per_step(p)]
+    raw = [sum(b) for p in sorted(ROOT.glob("rank*.pt.trace.json.gz")) for b in _raw_per_step(p)]
     model = json.loads((ROOT / "rank0.probe.json").read_text())["meta"]["model"]
     assert set(raw) == {model["param_bytes"]} == {64_032_772} and model["ddp_bucket_cap_mb"] == 1000.0
     d = fixture_diagnosis(ROOT)
@@ -71,3 +73,29 @@ def test_each_branch_says_what_the_record_can_tell():
     assert "would tell" in note and fix is None
     note, fix = one_bucket(BIG, BIG, 0.0, 100.0, False)  # CPU-only
     assert "CPU-only" in note and fix is None
+
+
+TINY = Path(__file__).parent / "fixtures" / "cpu_tiny_buckets_2rank"
+
+
+def test_a_bucket_cap_below_the_default_is_named_with_the_count_it_makes():
+    per_step = [b for p in sorted(TINY.glob("rank*.pt.trace.json.gz")) for b in _raw_per_step(p)]
+    assert {len(b) for b in per_step} == {6} and {sum(b) for b in per_step} == {5_781_508}
+    assert max(max(b) for b in per_step) < DDP_DEFAULT_CAP_BYTES
+    assert json.loads((TINY / "rank0.probe.json").read_text())["meta"]["model"]["ddp_bucket_cap_mb"] == 0.01
+    (c,) = [c for c in fixture_diagnosis(TINY).checks if c.id == "exposed_communication"]
+    m = c.finding.metrics
+    assert (m["all_reduces_per_step"], m["all_reduce_bytes_per_step"], m["ddp_bucket_cap_mb"]) == (6, 5_781_508, 0.01)
+    assert "6 all-reduces a step carry its 5.8 MB of gradients (bucket_cap_mb=0.01)" in c.reason
+    assert "default 25 MB buckets would take 1" in c.reason
+    assert c.finding.fix.startswith("DDP splits this step's 5.8 MB of gradients into 6 buckets")
+
+
+def test_small_buckets_needs_the_recorded_cap_below_the_default_and_a_real_split():
+    mb = 1024**2
+    assert small_buckets(6, 5.8 * mb, None) is None  # traces alone: accumulation without no_sync() looks alike
+    assert small_buckets(6, 5.8 * mb, 25.0) is None  # the default cap
+    assert small_buckets(3, 5.8 * mb, 1.0) is None  # under MIN_SPLIT
+    assert small_buckets(5, 60 * mb, 10.0) is None  # 60 MB takes 3 default buckets: 5 is under twice that
+    note, fix = small_buckets(6, 60 * mb, 10.0)
+    assert "would take 3" in note and "into 6 buckets (bucket_cap_mb=10)" in fix
