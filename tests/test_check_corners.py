@@ -425,12 +425,12 @@ def test_an_op_the_late_rank_spends_exactly_the_floor_more_in_is_named():
     run = fixture_run(FIXTURES / "cpu_straggler_2rank")
     base = run.facts[0]["straggler"].ops
     floor = straggler.MIN_OP_EXCESS_MS
-    same = _with_facts(run, "straggler", lambda r, f: dataclasses.replace(
-        f, ops=base + ((("aten::tiny_op", floor, 1),) if r == 1 else ())))
+    same = _with_facts(run, "straggler", lambda r, f: straggler.RankOps.of(
+        base + ((("aten::tiny_op", floor, 1),) if r == 1 else ())))
     _, _, ops, _ = straggler.why_late(build_context(same, {}), 1)
     assert ops == f"aten::tiny_op +{floor:.2f} ms/step (+1 calls)"
-    below = _with_facts(run, "straggler", lambda r, f: dataclasses.replace(
-        f, ops=base + ((("aten::tiny_op", float(np.nextafter(floor, 0.0)), 1),) if r == 1 else ())))
+    below = _with_facts(run, "straggler", lambda r, f: straggler.RankOps.of(
+        base + ((("aten::tiny_op", float(np.nextafter(floor, 0.0)), 1),) if r == 1 else ())))
     assert straggler.why_late(build_context(below, {}), 1)[2] == ""
 
 

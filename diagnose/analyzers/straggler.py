@@ -40,7 +40,7 @@ over the same steps: "aten::mm +111.0 ms/step (+8 calls)".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -69,18 +69,40 @@ IDLE_SOURCES = {"launch": "the device waiting for host launches", "sync": "host 
                 "unattributed": "unattributed device idle", "latency": "scheduling latency"}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class RankOps:
-    """One rank's work by op name over its profiled steps: (name, ms per step, calls per step)."""
+    """One rank's work by op name over its profiled steps: each name's ms and calls per step, as
+    arrays (#20: as a tuple of (name, ms, calls) tuples it was ~20 KB of the client's memory per
+    rank, as arrays ~5 KB)."""
 
-    ops: tuple[tuple[str, float, float], ...]
+    names: tuple[str, ...] = ()
+    ms: np.ndarray = field(default_factory=lambda: np.empty(0))
+    calls: np.ndarray = field(default_factory=lambda: np.empty(0))
     rows: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, ops) -> RankOps:
+        """From (name, ms per step, calls per step) triples."""
+        ops = list(ops)
+        return cls(names=tuple(n for n, _, _ in ops), ms=np.array([m for _, m, _ in ops], dtype=float),
+                   calls=np.array([k for _, _, k in ops], dtype=float))
+
+    def __eq__(self, other: object) -> bool:  # arrays: compared by value, not by numpy's elementwise ==
+        return (isinstance(other, RankOps) and self.names == other.names and self.rows == other.rows
+                and np.array_equal(self.ms, other.ms) and np.array_equal(self.calls, other.calls))
+
+    __hash__ = None  # mutable arrays inside: not a dict key
+
+    @property
+    def ops(self) -> tuple[tuple[str, float, float], ...]:
+        return tuple(zip(self.names, self.ms.tolist(), self.calls.tolist()))
 
     def shared(self, texts: dict[str, str]) -> RankOps:
         """The same, its op names kept once across ranks (`texts`: the client's pool, ingest.assemble.Repeats).
         Ranks run the same kernels, whose C++ names reach 2 KB: each rank's own copies were 42 KB
         of the client's memory per rank."""
-        return RankOps(ops=tuple((texts.setdefault(n, n), ms, k) for n, ms, k in self.ops), rows=self.rows)
+        return RankOps(names=tuple(texts.setdefault(n, n) for n in self.names), ms=self.ms, calls=self.calls,
+                       rows=self.rows)
 
 
 def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
@@ -94,11 +116,11 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
     k = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
     ops = ops[(k >= 0) & (ops["ts"].to_numpy() < hi[np.clip(k, 0, None)])]
     if ops.empty:
-        return RankOps(ops=())
+        return RankOps()
     g = ops.groupby(ops["name"].astype(str))["self_us"].agg(["sum", "size"]).nlargest(TOP_OPS, "sum")
     n = max(len(lo), 1)
-    return RankOps(ops=tuple((str(name), float(r["sum"]) / 1000 / n, float(r["size"]) / n)
-                             for name, r in g.iterrows()))
+    return RankOps(names=tuple(str(name) for name in g.index), ms=g["sum"].to_numpy(dtype=float) / 1000 / n,
+                   calls=g["size"].to_numpy(dtype=float) / n)
 
 
 MIN_OP_EXCESS_MS = 0.05  # the healthy floor: below it an op's excess is timer noise
@@ -135,9 +157,11 @@ def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str
         facts = ctx.facts(ID)
     except RuntimeError:
         facts = {}
-    if rank in facts and len(facts) >= 2 and any(f.ops for f in facts.values()):
-        frame = pd.DataFrame([(r, n, ms, c) for r, f in facts.items() for n, ms, c in f.ops],
-                             columns=["rank", "name", "ms", "calls"])
+    if rank in facts and len(facts) >= 2 and any(f.names for f in facts.values()):
+        frame = pd.DataFrame({"rank": np.concatenate([np.full(len(f.names), r) for r, f in facts.items()]),
+                              "name": [n for f in facts.values() for n in f.names],
+                              "ms": np.concatenate([f.ms for f in facts.values()]),
+                              "calls": np.concatenate([f.calls for f in facts.values()])})
         # every rank a column (one without ops reads as zeros), so the late rank always has one
         table = frame.pivot_table(index="name", columns="rank", values=["ms", "calls"], fill_value=0.0)
         table = table.reindex(columns=pd.MultiIndex.from_product([["ms", "calls"], sorted(facts)]), fill_value=0.0)
