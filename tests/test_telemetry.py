@@ -4,6 +4,7 @@ analysis makes of them (diagnose/step/changes.py): recorded where this machine h
 from __future__ import annotations
 
 import json
+import time
 import statistics
 from pathlib import Path
 
@@ -22,7 +23,9 @@ FIX = Path(__file__).parent / "fixtures" / "light_failslow"
 def test_a_sample_has_every_signal_and_no_gpu_reads_as_missing():
     s = Sampler(write=lambda line: None, current_step=lambda: 7, on_error=lambda exc: None)
     assert s.sample() is None  # the first reading is the baseline of the rates
-    sum(i * i for i in range(200_000))  # some CPU time between the readings
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.05:  # some CPU time between the readings: several of /proc's 10 ms ticks
+        sum(i * i for i in range(20_000))
     line = s.sample()
     assert set(SIGNALS) <= set(line) and line["step"] == 7
     json.dumps(line, allow_nan=False)

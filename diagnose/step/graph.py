@@ -40,6 +40,8 @@ collective per rank), never over trace events.
 """
 from __future__ import annotations
 
+from array import array
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,6 +131,15 @@ def _idle_sets(m: IdleModel | ReduceFailed | None, off: float, lo: float, hi: fl
     return [union(a[m.cls == k] + off, b[m.cls == k] + off) for k in range(len(CLASSES))]
 
 
+def _rows_by_value(values: np.ndarray, keys: list[int]) -> dict[int, np.ndarray]:
+    """key -> the ascending positions where `values` equals it (empty where none)."""
+    order = np.argsort(values, kind="stable")
+    v = values[order]
+    lo = np.searchsorted(v, keys, side="left")
+    hi = np.searchsorted(v, keys, side="right")
+    return {k: order[a:b] for k, a, b in zip(keys, lo, hi)}
+
+
 def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     """The dependency graph of every profiled step of every loaded rank."""
     coll = []
@@ -154,8 +165,10 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     c_seq = allc["seq"].to_numpy().astype(np.int64)
     c_group = allc["group"].to_numpy().astype(np.int64)
 
-    # node columns, filled per rank, sorted once at the end
-    cols: dict[str, list] = {k: [] for k in ("rank", "kind", "time", "step", "seg", "group", "transfer", "ref")}
+    # node columns, filled per rank, sorted once at the end; typed arrays, not lists: a list holds
+    # a Python number per cell, ~4x the memory, and at 1,024 ranks this was the client's peak (#20)
+    cols: dict[str, array] = {k: array("d" if k in ("time", "transfer") else "q")
+                              for k in ("rank", "kind", "time", "step", "seg", "group", "transfer", "ref")}
     # segment ids: a stable code per (kind, step, pg, seq) so ranks' segments line up
     seg_codes: dict[tuple, int] = {}
     after_rows: set[int] = set()  # RESUME rows that wait for a last arrival, not an end
@@ -169,6 +182,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
 
     blocked_by_rank: dict[int, Intervals] = {}
     parts_sets: dict[int, list[Intervals]] = {}
+    rows_of = _rows_by_value(c_rank, run.ranks)  # each rank's collective rows, found once (not a scan per rank)
     for r in run.ranks:
         tl = run.timelines[r]
         off = run.clock_offsets_us.get(r, 0.0)
@@ -190,7 +204,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         for s, a, b in zip(steps, lo, hi):
             add(r, STEP_START, float(a), int(s), ("start", int(s)))
             add(r, STEP_END, float(b), int(s), ("end", int(s)))
-        mine = np.flatnonzero(c_rank == r)
+        mine = rows_of[r]
         for i in mine:
             st, gi = int(c_step[i]), int(c_group[i])
             add(r, ARRIVAL, float(c_arr[i]), st, ("arr", st, c_pg[i], int(c_seq[i])), gi)
@@ -262,8 +276,10 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     lane_prev = np.full(n, -1, dtype=np.int64)
     lane_parts = np.zeros((n, len(PARTS)))
     order_prev = np.full(n, -1, dtype=np.int64)
+    nodes_of = _rows_by_value(rank, run.ranks)  # in time order within each rank
     for r in run.ranks:
-        lane = np.flatnonzero((rank == r) & (kind != COLL_END))
+        mine = nodes_of[r]
+        lane = mine[kind[mine] != COLL_END]
         if lane.size < 2:
             continue
         lane_prev[lane[1:]] = lane[:-1]
@@ -279,8 +295,8 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         parts[:, COMPUTE] = lane_w - parts[:, :COMPUTE].sum(axis=1)
         lane_parts[lane[1:]] = parts
         # stream order: an arrival after the rank's previous collective ended waits for it
-        ends = np.flatnonzero((rank == r) & (kind == COLL_END))
-        arr = np.flatnonzero((rank == r) & (kind == ARRIVAL))
+        ends = mine[kind[mine] == COLL_END]
+        arr = mine[kind[mine] == ARRIVAL]
         if ends.size and arr.size:
             j = np.searchsorted(time[ends], time[arr], side="left") - 1  # ends strictly before
             ok = j >= 0
