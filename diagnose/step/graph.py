@@ -41,7 +41,6 @@ collective per rank), never over trace events.
 from __future__ import annotations
 
 from array import array
-
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,7 +165,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     c_group = allc["group"].to_numpy().astype(np.int64)
 
     # node columns, filled per rank, sorted once at the end; typed arrays, not lists: a list holds
-    # a Python number per cell, ~4x the memory, and at 1,024 ranks this was the client's peak (#20)
+    # a Python number per cell, ~4x the memory (#20: the build of this graph sets the client's peak)
     cols: dict[str, array] = {k: array("d" if k in ("time", "transfer") else "q")
                               for k in ("rank", "kind", "time", "step", "seg", "group", "transfer", "ref")}
     # segment ids: a stable code per (kind, step, pg, seq) so ranks' segments line up
