@@ -120,6 +120,10 @@ class Repeats:
             # metadata is read, never written, after loading: one copy can serve every rank
             x.trace.meta = {k: self.values.setdefault(json.dumps(v, sort_keys=True, default=str), v)
                             for k, v in x.trace.meta.items()}
+            ev = x.trace.events  # the cited events' names and kinds: the same on every rank
+            for c in ("name", "kind", "tid", "pid"):
+                if c in ev and ev[c].dtype == object:
+                    ev[c] = [self.texts.setdefault(v, v) if isinstance(v, str) else v for v in ev[c]]
         x.facts = {k: (v.shared(self.texts) if isinstance(v, SharesText) else v) for k, v in x.facts.items()}
         return x
 
@@ -165,7 +169,8 @@ def _keep_only(trace: RankTrace, rows: set[int]) -> None:
     """Cut the events table down to the rows cited as evidence (labels kept: rows are cited by label)."""
     keep = trace.events.index.intersection(sorted(rows))
     events = trace.events.loc[keep]
-    trace.events = events.assign(name=events["name"].cat.remove_unused_categories())
+    # a few dozen rows: plain object columns (one block) cost less than a categorical each (#20)
+    trace.events = events.astype({c: object for c in events.columns if isinstance(events[c].dtype, pd.CategoricalDtype)})
     trace.comm_args = trace.comm_args.loc[trace.comm_args.index.intersection(keep)]
 
 
