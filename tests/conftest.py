@@ -208,4 +208,7 @@ def kept_once(loaded) -> None:
                 assert n is first[n]
                 common += 1
     assert common > 100  # the eight DLRM ranks run the same kernels
+    cited = {n: n for x in ok for n in x.trace.events["name"] if n in first}  # one copy of each name seen
+    shared = sum(1 for x in ok for n in x.trace.events["name"] if n in cited and n is cited[n])
+    assert cited and shared == sum(1 for x in ok for n in x.trace.events["name"] if n in cited)
 
