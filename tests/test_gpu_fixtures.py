@@ -265,6 +265,7 @@ def test_steps_the_device_did_not_time_are_left_out_not_stood_in_for_by_the_host
     assert int(np.isnan(ms).sum()) == 25
     (c,) = [c for c in diagnosis(name).checks if c.id == "fail_slow"]
     assert c.status == "passed" and "faster" not in c.reason, c.reason
+    assert "steady over 274 steps" in c.reason and "(25 step(s) the device did not time left out)" in c.reason
 
 
 def test_at_close_the_probe_times_the_steps_still_queued():

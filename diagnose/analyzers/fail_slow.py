@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from diagnose.analyzers.common import flag_or_pass, not_measurable, passed
 from diagnose.context import Context
 from diagnose.model import Check, Finding
-from diagnose.probedata import has_device_times
+from diagnose.probedata import has_device_times, job_step_ms
 from diagnose.step.changes import Event, run_changes
 from diagnose.thresholds import Thresholds
 
@@ -101,7 +103,10 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     if not probes:
         return [not_measurable(ID, TITLE, "no every-step record: run the job under `diagnose run` (the probes "
                                "log every step of every rank) to see when it got slow")]
-    n = max(len(p.steps) for p in probes.values())
+    # steps the device did not time are left out of a device-timed rank's series (job_step_ms)
+    timed = {r: int(np.isfinite(job_step_ms(p.steps)).sum()) for r, p in probes.items()}
+    n = max(timed.values())
+    untimed = max(len(p.steps) - timed[r] for r, p in probes.items())
     if n < 2 * th.fail_slow_min_segment:
         return [not_measurable(ID, TITLE, f"{n} steps recorded: a change of speed needs "
                                f"{th.fail_slow_min_segment} steps on either side")]
@@ -118,6 +123,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                        "filled; the job did not slow down")]
     if not slower:
         faster = f" ({len(events)} change(s) to a faster step)" if events else ""
+        if untimed:
+            faster += f" ({untimed} step(s) the device did not time left out)"
         return [passed(ID, TITLE, f"steady over {n} steps on {len(probes)} rank(s): no slowdown of "
                        f"{th.fail_slow_effect:.0%} of the step or more lasting {th.fail_slow_min_segment} steps{faster}")]
     e = max(slower, key=lambda x: x.lost_ms)
