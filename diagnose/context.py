@@ -90,11 +90,11 @@ class Context:
 def prune_dead_views(run: Run) -> None:
     """Drop the dead view references each rank's tables collect. Under pandas' copy-on-write every
     filter or column taken from a frame leaves a weak reference in the frame's blocks, and pandas
-    drops the dead ones only now and then: each check left about 5 KB of them per rank (#20: the
-    client's memory per rank; measured on 512 replicated DLRM ranks, 13 MB over the checklist,
-    and the extras after it then set the client's peak). `has_reference()` prunes them as it
-    counts (pandas 3.x internals: where they are missing, this does nothing). One pass costs
-    ~0.15 s at 1,024 ranks: run once, between the checklist and the extras."""
+    drops the dead ones only now and then (#20, the client's memory per rank; 512 replicated DLRM
+    ranks, tracemalloc: the checklist retained 7.4 MB, ~4 MB of it such references, and the extras
+    after it then set the client's peak). `has_reference()` prunes them as it counts (pandas 3.x
+    internals: where they are missing, this does nothing). Run once, between the checklist and
+    the extras: after each of the 15 checks it cost 2-3 s at 1,024 ranks."""
     frames = [f for tl in run.timelines.values() for f in (tl.steps, tl.collectives)]
     frames += [f for t in run.traces.values() for f in (t.events, t.comm_args) if isinstance(f, pd.DataFrame)]
     for f in frames:

@@ -89,7 +89,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     communication table's verdict on each group (diagnose/step/link.py)."""
     ctx = build_context(run, probes)
     checks, warnings = run_checklist(ctx, th)
-    prune_dead_views(run)  # once: after every check, before the extras (each pass costs ~0.15 s at 1,024 ranks)
+    prune_dead_views(run)  # once: after every check, before the extras (context.prune_dead_views: why)
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
