@@ -128,7 +128,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     return [flag_or_pass(f, th.communication, th, reason, ctx)]
 
 
-def one_bucket(largest: float, reduced: float, overlapped_share: float, cap_mb, gpu: bool
+def one_bucket(largest: float, reduced: float, overlapped_share: float, cap_mb: float | None, gpu: bool
                ) -> tuple[str, str | None] | None:
     """Most of a step's all-reduced bytes in one all-reduce, too big for one default DDP bucket,
     and next to nothing of the communication overlapped: (the reason's note, the fix or None).

@@ -107,8 +107,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     timed = {r: int(np.isfinite(job_step_ms(p.steps)).sum()) for r, p in probes.items()}
     n = max(timed.values())
     untimed = max(len(p.steps) - timed[r] for r, p in probes.items())
+    left_out = f" ({untimed} step(s) the device did not time left out)" if untimed else ""
     if n < 2 * th.fail_slow_min_segment:
-        return [not_measurable(ID, TITLE, f"{n} steps recorded: a change of speed needs "
+        return [not_measurable(ID, TITLE, f"{n} steps recorded{left_out}: a change of speed needs "
                                f"{th.fail_slow_min_segment} steps on either side")]
     events = run_changes(probes, th.fail_slow_min_segment, th.fail_slow_effect)
     slower = [e for e in events if e.lost_ms > 0]
@@ -123,10 +124,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                        "filled; the job did not slow down")]
     if not slower:
         faster = f" ({len(events)} change(s) to a faster step)" if events else ""
-        if untimed:
-            faster += f" ({untimed} step(s) the device did not time left out)"
         return [passed(ID, TITLE, f"steady over {n} steps on {len(probes)} rank(s): no slowdown of "
-                       f"{th.fail_slow_effect:.0%} of the step or more lasting {th.fail_slow_min_segment} steps{faster}")]
+                       f"{th.fail_slow_effect:.0%} of the step or more lasting {th.fail_slow_min_segment} steps"
+                       f"{faster}{left_out}")]
     e = max(slower, key=lambda x: x.lost_ms)
     share = e.lost_ms / e.step_after_ms if e.step_after_ms > 0 else 0.0
     metrics: dict[str, float | int | str] = {
