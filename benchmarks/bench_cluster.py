@@ -15,6 +15,12 @@ work after the last file arrived (assembly and the checklist: what more workers 
 
     python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks
     python benchmarks/bench_cluster.py --ranks 64        # a quick look
+    python benchmarks/bench_cluster.py --per-file 256    # one file's CPU: local pool against a worker
+
+`--per-file N` times each file's read (load_one and the pickling of its result, no checklist) by
+the CPU of the thread that ran it and of its whole process: in a forked local pool of 2, then on a
+LocalCluster of 2 as `--cluster` starts it (both warmed on 4 files first). What a worker spends
+beside the read itself is Dask's own per-task work.
 """
 from __future__ import annotations
 
@@ -85,6 +91,42 @@ def measure(kind: str, target: str) -> dict:
             "ranks": len(d.run.ranks_found), "top": d.top.id if d.top else None}
 
 
+def _timed_read(args) -> tuple[float, float]:
+    """One file read as a worker reads it: (thread CPU, process CPU) in seconds."""
+    from diagnose.ingest.cluster import load_remote
+
+    t0, p0 = time.thread_time(), time.process_time()
+    load_remote([args])
+    return time.thread_time() - t0, time.process_time() - p0
+
+
+def per_file(n: int) -> None:
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from diagnose.analyzers import reduce_rank
+    from diagnose.ingest.cluster import connect
+    from diagnose.ingest.load import DEFAULT_MAX_BYTES
+
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        files = sorted(str(p) for p in build(Path(tmp), n).glob("*.json"))
+        args = [(f, DEFAULT_MAX_BYTES, reduce_rank) for f in files]
+        with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as ex:
+            list(ex.map(_timed_read, args[:4]))
+            t = time.perf_counter()
+            pool = list(ex.map(_timed_read, args))
+            pool_s = time.perf_counter() - t
+        with connect("local:2") as reader:
+            c = reader.client
+            c.gather(c.map(_timed_read, args[:4], pure=False))
+            t = time.perf_counter()
+            dask = c.gather(c.map(_timed_read, args, pure=False))
+            dask_s = time.perf_counter() - t
+    for label, res, wall in (("forked pool of 2", pool, pool_s), ("LocalCluster of 2", dask, dask_s)):
+        print(f"{label}: {n} files in {wall:.2f} s; per file {1e3 * sum(r[0] for r in res) / n:.1f} ms of "
+              f"the reading thread's CPU, {1e3 * sum(r[1] for r in res) / n:.1f} ms of its process's")
+
+
 def run_child(kind: str, target: str, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--measure", kind, "--target", target]
     try:
@@ -102,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--measure", choices=["local", "cluster"])
     ap.add_argument("--target")
+    ap.add_argument("--per-file", type=int, metavar="N")
     a = ap.parse_args(argv)
+    if a.per_file:
+        per_file(a.per_file)
+        return 0
     if a.measure:
         print(json.dumps(measure(a.measure, a.target)))
         return 0

@@ -27,7 +27,8 @@ from diagnose.pipeline import diagnose_paths
 
 distributed = pytest.importorskip("distributed")  # the test extra installs it: this guards a bare checkout
 
-from diagnose.ingest.cluster import ClusterStats, connect, parse_address  # noqa: E402
+import diagnose.ingest.cluster as dcluster  # noqa: E402
+from diagnose.ingest.cluster import ClusterStats, Listed, batches, connect, parse_address  # noqa: E402
 
 DLRM = shared("param_dlrm_8rank_v100")
 DISK = "$DIAGNOSE_TEST_DISK/traces"
@@ -152,6 +153,59 @@ def test_a_worker_killed_mid_analysis_has_its_files_retried_on_the_other(cluster
     assert not reader.stats.lost and not spread.skipped
     assert list(spread.run.ranks_found) == list(range(8))
     assert as_json(spread) == as_json(diagnose_paths([DLRM]))
+
+
+def slow_down(client, addr: str, s: float) -> None:
+    """The worker at `addr` waits `s` before each file: its tasks finish after the other's."""
+    def patch(s=s):
+        import time
+
+        import diagnose.ingest.cluster as c
+
+        read = c.load_one
+        c.load_one = lambda args: (time.sleep(s), read(args))[1]
+    client.run(patch, workers=[addr])
+
+
+def test_files_batched_into_tasks_are_read_once_and_give_the_single_machine_diagnosis(cluster, monkeypatch):
+    c, client = cluster
+    workers(client)
+    monkeypatch.setattr(dcluster, "MIN_BATCHES", 1)  # 4 files a worker: one task each
+    with distributed.get_task_stream(client) as ts, connect(c.scheduler_address) as reader:
+        spread = diagnose_paths([DLRM], reader=reader)
+    assert as_json(spread) == as_json(diagnose_paths([DLRM]))
+    keys = completed_loads(ts.data)
+    assert len(keys) == 2 and all(k.endswith("+3") for k in keys), keys
+    assert sorted(reader.stats.read_on.values()) == [4, 4] and reader.stats.files == 8
+
+
+def test_a_killed_workers_unfinished_batch_is_retried_file_by_file(cluster, monkeypatch):
+    c, client = cluster
+    victim = workers(client)[1]
+    monkeypatch.setattr(dcluster, "MIN_BATCHES", 1)
+    slow_down(client, victim, 1.0)  # its one task of 4 files is still running when the other's arrives
+    progress, fired = kill_at_first_result(client, victim)
+    with distributed.get_task_stream(client) as ts, connect(c.scheduler_address) as reader:
+        spread = diagnose_paths([DLRM], reader=reader, progress=progress)
+    assert fired and len(reader.stats.retried) == 4 and not reader.stats.lost
+    retries = [k for k in completed_loads(ts.data) if k.startswith("diagnose-load-2-")]
+    assert len(retries) == 4 and not any("+" in k for k in retries), retries  # each retried alone
+    assert list(spread.run.ranks_found) == list(range(8))
+    assert as_json(spread) == as_json(diagnose_paths([DLRM]))
+
+
+def test_batches_cut_one_workers_files_by_count_and_bytes():
+    def files(sizes):
+        return [Listed(0, f"/t/rank{i}.json", size, 0) for i, size in enumerate(sizes)]
+
+    mb = 1024**2
+    many = files([mb] * 40)
+    cut = batches(many)
+    assert [len(b) for b in cut] == [8] * 5 and [f for b in cut for f in b] == many  # order kept
+    assert [len(b) for b in batches(files([mb] * 10))] == [2] * 5  # at least MIN_BATCHES tasks
+    assert [len(b) for b in batches(files([mb] * 3))] == [1, 1, 1]
+    assert [len(b) for b in batches(files([100 * mb, 30 * mb, 30 * mb, 30 * mb] + [mb] * 28))] == [1, 2, 8, 8, 8, 5]  # 100 MB alone; 30+30; 30 and 7 small
+    assert batches([]) == []
 
 
 def test_a_worker_lost_with_files_no_other_sees_reports_them_skipped(cluster, tmp_path):
