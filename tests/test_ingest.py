@@ -336,7 +336,12 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
         assert set(tl.collectives["row"]) <= set(kept.index)
         # kept rows are the same events as in the full table (evidence cites rows by label)
         pd.testing.assert_frame_equal(kept[["ts", "dur"]], full.traces[r].events.loc[kept.index, ["ts", "dur"]])
+        assert kept["name"].tolist() == full.traces[r].events.loc[kept.index, "name"].astype(str).tolist()
         assert set(run.facts[r]) == {e.name for e in CHECKLIST if e.reduce}
+        # each column or block of a small per-rank table costs ~1 KB a rank whatever its rows (#20):
+        # only what the parent reads of a cited event, and one block per type
+        assert list(kept.columns) == ["name", "ts", "dur"] and kept["name"].dtype == object
+        assert len(kept._mgr.blocks) == 2 and len(tl.collectives._mgr.blocks) == 3
 
 
 @pytest.mark.parametrize("parallel", [False, True])

@@ -323,7 +323,15 @@ def _collectives(trace: RankTrace, is_gpu: bool, steps: pd.DataFrame, comm_tids:
     df = pd.DataFrame({"step": step, "pg": pg, "name": names, "arrival": arrival, "end": ends,
                        "bytes": nbytes, "dtype": dtype, "row": rows})
     df["seq"] = df.groupby(["step", "pg"]).cumcount()
-    return df[list(COLLECTIVE_COLUMNS)]
+    return compact(df[list(COLLECTIVE_COLUMNS)])
+
+
+def compact(df: pd.DataFrame) -> pd.DataFrame:
+    """A small per-rank table as the parent keeps it: text columns as plain objects and one block
+    per type. Each pandas block (pandas 3 gives each inferred string column its own) costs about
+    1 KB a rank whatever its rows (#20: the client's memory grows with the rank count)."""
+    text = {c: object for c in df.columns if pd.api.types.is_string_dtype(df[c].dtype) and df[c].dtype != object}
+    return (df.astype(text) if text else df).copy()
 
 
 def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
