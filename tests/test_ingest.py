@@ -16,6 +16,7 @@ from diagnose.ingest.load import load_trace
 from diagnose.ingest.source import ReadState, iter_blocks
 from diagnose.ingest.stream import CHUNK, parse_stream
 from diagnose.analyzers import CHECKLIST, reduce_rank
+from diagnose.step.idle import EVIDENCE_GAP_COLUMNS
 from diagnose.ingest.assemble import load_one, load_files, load_run
 from tests.conftest import SHARED, kept_once
 
@@ -342,6 +343,13 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
         # only what the parent reads of a cited event, and one block per type
         assert list(kept.columns) == ["name", "ts", "dur"] and kept["name"].dtype == object
         assert len(kept._mgr.blocks) == 2 and len(tl.collectives._mgr.blocks) == 3
+        assert run.traces[r].comm_args is None  # only the reductions read the args
+        # the idle model keeps the gaps' times and classes (step graph, mini timeline), not the
+        # evidence columns the reductions read
+        mine, whole = run.idle[r], full.idle[r]
+        assert len(whole.end_row) > 0 and all(len(getattr(mine, c)) == 0 for c in EVIDENCE_GAP_COLUMNS)
+        for c in ("start", "end", "cls", "by_class_us", "outside_dataloader_us"):
+            assert np.array_equal(getattr(mine, c), getattr(whole, c)), c
 
 
 @pytest.mark.parametrize("parallel", [False, True])

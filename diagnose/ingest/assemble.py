@@ -142,6 +142,8 @@ def load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
             # a rank without a complete step is skipped later: nothing to summarise, nothing to keep
             facts, rows = reduce(trace, timeline, gaps) if len(timeline.steps) else ({}, set())
             _keep_only(trace, rows | set(timeline.collectives["row"].tolist()))
+            if isinstance(gaps, IdleModel):
+                gaps = gaps.for_parent()
         return Loaded(Path(path), trace, timeline, facts=facts, idle=gaps)
     except DiagnoseError as exc:
         return Loaded(Path(path), error=str(exc))
@@ -180,10 +182,11 @@ def cited_frame(events: pd.DataFrame) -> pd.DataFrame:
 
 
 def _keep_only(trace: RankTrace, rows: set[int]) -> None:
-    """Cut the events table down to the rows cited as evidence, and to what the parent reads of them."""
+    """Cut the events table down to the rows cited as evidence, and to what the parent reads of them
+    (the collectives' args: nothing, the timeline holds their bytes and groups)."""
     keep = trace.events.index.intersection(sorted(rows))
     trace.events = cited_frame(trace.events.loc[keep])
-    trace.comm_args = trace.comm_args.loc[trace.comm_args.index.intersection(keep)]
+    trace.comm_args = None
 
 
 def _size(f: Path) -> int:

@@ -62,9 +62,10 @@ class RankTrace:
     meta: dict
     """Top-level keys other than traceEvents (distributedInfo, deviceProperties, ...)."""
     events: pd.DataFrame
-    comm_args: pd.DataFrame
+    comm_args: pd.DataFrame | None
     """Args of collective-describing events (and the input types of matrix ops: columns.MATRIX_OPS),
-    indexed like `events`."""
+    indexed like `events`. None after the checks' per-rank reductions: only they read it, and an
+    empty frame still costs the parent ~3 KB a rank (#20)."""
     thread_names: dict[str, str]
     flows: int = 0
     """Flow events ('s'/'f'): their absence in a GPU trace suggests sampled or filtered events."""

@@ -34,7 +34,7 @@ threads or names, never over events.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -64,9 +64,15 @@ NO_OP = "(no op open: Python between ops)"
 TOP_OPS = 8
 
 
+EVIDENCE_GAP_COLUMNS = ("in_steps_us", "sub", "end_row", "launch_row", "sync_row", "prev_row", "queued_us")
+"""Gap columns only the checks' per-rank reductions read (evidence and sub-causes): empty in the
+parent's copy (IdleModel.for_parent)."""
+
+
 @dataclass(frozen=True, slots=True)
 class IdleModel:
-    """One GPU rank's idle gaps and their causes. Gap columns are parallel arrays."""
+    """One GPU rank's idle gaps and their causes. Gap columns are parallel arrays; in the parent,
+    after the reductions, only start, end and cls (EVIDENCE_GAP_COLUMNS are empty there)."""
 
     steps: int
     step_idle_us: np.ndarray
@@ -115,6 +121,14 @@ class IdleModel:
     graph_launches: int = 0
     graph_launches_empty: int = 0
     """CUDA graph launches with no recorded kernel: the graph's work is not in the trace."""
+
+    def for_parent(self) -> IdleModel:
+        """The model as the parent keeps it once the checks' per-rank reductions have read it: the
+        gaps' times and classes (the step graph, the mini timeline) and the per-step sums; the
+        evidence columns (rows, sub-tags, queueing, host ops) only the reductions read are emptied
+        (#20: ~11 KB of a DLRM rank's 61 KB in the client)."""
+        return replace(self, long_gap_ops=(), **{c: np.empty(0, dtype=getattr(self, c).dtype)
+                                                  for c in EVIDENCE_GAP_COLUMNS})
 
     def class_ms(self, name: str) -> float:
         """Mean per-step ms of one class."""
