@@ -16,11 +16,17 @@ work after the last file arrived (assembly and the checklist: what more workers 
     python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks
     python benchmarks/bench_cluster.py --ranks 64        # a quick look
     python benchmarks/bench_cluster.py --per-file 256    # one file's CPU: local pool against a worker
+    python benchmarks/bench_cluster.py --phases 512      # the client's Python memory by phase
 
 `--per-file N` times each file's read (load_one and the pickling of its result, no checklist) by
 the CPU of the thread that ran it and of its whole process: in a forked local pool of 2, then on a
 LocalCluster of 2 as `--cluster` starts it (both warmed on 4 files first). What a worker spends
 beside the read itself is Dask's own per-task work.
+
+`--phases N` runs the single-machine path once under tracemalloc and prints, at each phase of the
+client's analysis (the loaded ranks, matching, breakdown, step graph, checklist, replay), the
+Python memory held and the highest point since the previous mark: where the peak is, and what
+each rank costs there (numpy's and pandas' buffers included; the interpreter's own pages not).
 """
 from __future__ import annotations
 
@@ -127,6 +133,44 @@ def per_file(n: int) -> None:
               f"the reading thread's CPU, {1e3 * sum(r[1] for r in res) / n:.1f} ms of its process's")
 
 
+def phases(n: int) -> None:
+    import tracemalloc
+
+    import diagnose.context as context
+    import diagnose.pipeline as pipeline
+
+    marks: list[tuple[str, float, float]] = []
+
+    def mark(label: str) -> None:
+        cur, peak = tracemalloc.get_traced_memory()
+        marks.append((label, cur / 1e6, peak / 1e6))
+        tracemalloc.reset_peak()
+
+    def wrap(module, name: str) -> None:
+        inner = getattr(module, name)
+
+        def timed(*a, **k):
+            mark(f"before {name}")
+            out = inner(*a, **k)
+            mark(name)
+            return out
+        setattr(module, name, timed)
+
+    for name in ("match_collectives", "build_graph", "step_model"):
+        wrap(context, name)
+    for name in ("build_context", "run_checklist", "annotate"):
+        wrap(pipeline, name)
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        target = build(Path(tmp), n)
+        tracemalloc.start()
+        pipeline.diagnose_paths([str(target)], jobs=2)
+        mark("end")
+        tracemalloc.stop()
+    print(f"{n} ranks, the client's Python memory (MB): held at the mark, highest since the previous mark")
+    for label, cur, peak in marks:
+        print(f"  {label:28s} {cur:7.1f} {peak:7.1f}")
+
+
 def run_child(kind: str, target: str, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--measure", kind, "--target", target]
     try:
@@ -145,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure", choices=["local", "cluster"])
     ap.add_argument("--target")
     ap.add_argument("--per-file", type=int, metavar="N")
+    ap.add_argument("--phases", type=int, metavar="N")
     a = ap.parse_args(argv)
+    if a.phases:
+        phases(a.phases)
+        return 0
     if a.per_file:
         per_file(a.per_file)
         return 0
