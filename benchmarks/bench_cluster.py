@@ -126,9 +126,9 @@ def per_file(n: int) -> None:
             c = reader.client
             c.gather(c.map(_timed_read, args[:4], pure=False))
             t = time.perf_counter()
-            dask = c.gather(c.map(_timed_read, args, pure=False))
+            on_dask = c.gather(c.map(_timed_read, args, pure=False))
             dask_s = time.perf_counter() - t
-    for label, res, wall in (("forked pool of 2", pool, pool_s), ("LocalCluster of 2", dask, dask_s)):
+    for label, res, wall in (("forked pool of 2", pool, pool_s), ("LocalCluster of 2", on_dask, dask_s)):
         print(f"{label}: {n} files in {wall:.2f} s; per file {1e3 * sum(r[0] for r in res) / n:.1f} ms of "
               f"the reading thread's CPU, {1e3 * sum(r[1] for r in res) / n:.1f} ms of its process's")
 

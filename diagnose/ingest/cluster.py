@@ -138,7 +138,7 @@ def batches(files: list[Listed], at_least: int | None = None) -> list[list[Liste
     and a lost worker's finished tasks are kept. One task per file cost the client (which also
     hosts a LocalCluster's scheduler) about 4.5 ms of CPU a file and the worker about 2 ms beside
     the read itself (256 DLRM ranks here, getrusage and thread_time): on a 2-core machine that is
-    a tenth of a file's work."""
+    a sixth of the 37-45 ms a file's read takes there."""
     per = max(1, min(BATCH_FILES, len(files) // max(MIN_BATCHES if at_least is None else at_least, 1)))
     out: list[list[Listed]] = []
     for f in files:
@@ -178,9 +178,9 @@ def _spawn_environ() -> dict:
     """The environment Dask gives the LocalCluster's workers, less MALLOC_TRIM_THRESHOLD_: Dask sets
     it to 64 KiB so that long-lived workers hand freed memory back to the OS; ours live for one
     analysis, and each rank's reduction builds and frees many small frames. Measured on 256 DLRM
-    ranks here: a file's read alone 30-31 ms of the worker thread's CPU with it, 27-30 without (23
-    in a forked local pool); with the checks' reduction too (`bench_cluster.py --per-file 256`,
-    two runs each) 42-47 against 37-45 ms: within that noise."""
+    ranks here: a file's read alone 31-32 ms of the worker thread's CPU with it, 27-30 without
+    (21-25 in a forked local pool); with the checks' reduction too (`bench_cluster.py --per-file
+    256`, two runs each) 42-47 against 37-45 ms: within that noise."""
     import dask
 
     env = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {})
@@ -317,8 +317,9 @@ class DaskReader:
 
         ready = as_completed()
         alive = set(hosts)
+        biggest_first = sorted(files, key=lambda f: -f.size)
         for addr in sorted(hosts):
-            for batch in batches([f for f in sorted(files, key=lambda f: -f.size) if plan[f] == addr]):
+            for batch in batches([f for f in biggest_first if plan[f] == addr]):
                 submit(batch, addr)
         checked = time.monotonic()
         while pending:

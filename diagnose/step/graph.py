@@ -50,6 +50,7 @@ from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.idle import CLASSES, IdleModel
 from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
+from diagnose.step.timeline import COLLECTIVE_COLUMNS
 
 # node kinds, in the order they are processed at equal times
 STEP_START, ARRIVAL, COLL_END, RESUME, STEP_END = range(5)
@@ -130,7 +131,8 @@ def _idle_sets(m: IdleModel | ReduceFailed | None, off: float, lo: float, hi: fl
     return [union(a[m.cls == k] + off, b[m.cls == k] + off) for k in range(len(CLASSES))]
 
 
-ALL_COLLECTIVE_COLUMNS = ("step", "pg", "seq", "rank", "arrival", "end", "name", "dtype", "bytes")
+# a rank's collectives table (timeline.COLLECTIVE_COLUMNS) with its rank, less its event rows
+ALL_COLLECTIVE_COLUMNS = tuple(c for c in COLLECTIVE_COLUMNS if c != "row") + ("rank",)
 
 
 def _all_collectives(run: Run) -> pd.DataFrame:
