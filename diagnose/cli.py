@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from diagnose.output import HtaOptions
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
     click.echo(f"diagnose: error: {one_line(msg)}", err=True)
     sys.exit(2)
 
@@ -80,21 +80,12 @@ LOCAL_PATH_HELP = ("With --cluster: a directory on each worker's own disk holdin
 
 def cluster_paths(paths: tuple[str, ...], cluster: str | None, local_path: tuple[str, ...], hta: bool = False) -> list[str]:
     """The paths to read, with --cluster's rules checked (one line and exit 2 otherwise)."""
-    if local_path and cluster is None:
-        fail("--local-path names a directory on the workers of --cluster; give --cluster ADDRESS too")
-    if cluster is not None:
-        from diagnose.ingest.cluster import parse_address  # dask itself is imported only to connect
+    from diagnose.ingest.cluster import paths_to_read  # dask itself is imported only to connect
 
-        try:
-            parse_address(cluster)
-        except ValueError as exc:
-            fail(f"--cluster {exc}")
-        if hta:
-            fail("--hta reads the traces on this machine; with --cluster they are read on the workers: drop one")
-    out = list(paths) + list(local_path)
-    if not out:
-        fail("no traces given: pass TRACE_DIR (or, with --cluster, --local-path DIR)")
-    return out
+    try:
+        return paths_to_read(paths, cluster, local_path, hta)
+    except DiagnoseError as exc:
+        fail(str(exc))
 
 
 def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,

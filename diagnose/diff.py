@@ -321,8 +321,12 @@ def _diagnose_both(before: str, after: str, hta: bool, hta_budget_mb: float | No
 def diff_command(before_dir: str, after_dir: str, out: Path, hta: bool, hta_budget_mb: float | None,
                  hta_timeout: float | None, cluster: str | None) -> None:
     """Compare two runs: what disappeared, appeared or changed, and the step time change."""
-    from diagnose.cli import cluster_paths
+    from diagnose.errors import DiagnoseError
+    from diagnose.ingest.cluster import paths_to_read  # dask itself is imported only to connect
 
-    cluster_paths((before_dir, after_dir), cluster, (), hta)
+    try:
+        paths_to_read((before_dir, after_dir), cluster, (), hta)
+    except DiagnoseError as exc:
+        _fail(str(exc))
     sys.exit(run_diff(before_dir, after_dir, out, hta=hta, hta_budget_mb=hta_budget_mb, hta_timeout=hta_timeout,
                       cluster=cluster))

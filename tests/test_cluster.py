@@ -275,6 +275,8 @@ def test_addresses(text, want):
     (["analyze", "--cluster", "local:2"], "no traces given"),
     (["analyze", "--cluster", "local:2", "--hta", "x"], "--hta reads the traces on this machine"),
     (["scale", "--cluster", "local:2", "--nproc", "1,2", "--", "python", "t.py"], "give --runs N=DIR"),
+    (["diff", "--cluster", "local:2", "--hta", "a", "b"], "--hta reads the traces on this machine"),
+    (["diff", "--cluster", "nowhere", "a", "b"], "not a Dask scheduler address"),
 ])
 def test_bad_cluster_options_are_one_line_and_exit_2(argv, says):
     res = CliRunner().invoke(_main(), argv)

@@ -174,6 +174,26 @@ def parse_address(text: str) -> tuple[str, int | None]:
     raise ValueError(f"{text!r}: not a Dask scheduler address (tcp://HOST:8786, or local:N)")
 
 
+def paths_to_read(paths: tuple[str, ...], cluster: str | None, local_path: tuple[str, ...],
+                  hta: bool = False) -> list[str]:
+    """The paths a command reads, with --cluster's rules checked (DiagnoseError otherwise): shared
+    by `analyze`, `diff` and `scale`, below the CLI so no command module imports the CLI's."""
+    if local_path and cluster is None:
+        raise DiagnoseError("--local-path names a directory on the workers of --cluster; give --cluster ADDRESS too")
+    if cluster is not None:
+        try:
+            parse_address(cluster)
+        except ValueError as exc:
+            raise DiagnoseError(f"--cluster {exc}") from None
+        if hta:
+            raise DiagnoseError("--hta reads the traces on this machine; with --cluster they are read on the "
+                                "workers: drop one")
+    out = list(paths) + list(local_path)
+    if not out:
+        raise DiagnoseError("no traces given: pass TRACE_DIR (or, with --cluster, --local-path DIR)")
+    return out
+
+
 def _spawn_environ() -> dict:
     """The environment Dask gives the LocalCluster's workers, less MALLOC_TRIM_THRESHOLD_: Dask sets
     it to 64 KiB so that long-lived workers hand freed memory back to the OS; ours live for one
