@@ -9,6 +9,7 @@ import click
 
 from diagnose import __version__
 from diagnose.errors import DiagnoseError, one_line
+from diagnose.units import rank_ranges
 
 if TYPE_CHECKING:
     from diagnose.output import HtaOptions
@@ -349,7 +350,7 @@ def changes(run_dir: Path) -> None:
         click.echo(one_line("  " + describe(e)))
     untimed = host_timed_gpu_ranks(probes)
     if untimed and any(e.lost_ms > 0 for e in events):
-        click.echo(one_line(f"  note: rank(s) {', '.join(map(str, untimed))} ran on CUDA and their record times the "
+        click.echo(one_line(f"  note: rank(s) {rank_ranges(untimed)} ran on CUDA and their record times the "
                             "host only (probes before device step timing): a host with no sync in its loop runs "
                             "ahead of its device until the launch queue fills, so a change to a slower step may be "
                             "that, not a slowdown (`diagnose analyze` of the run's traces tells)"))

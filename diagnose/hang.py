@@ -24,6 +24,7 @@ from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import jsonsafe
 from diagnose.oncall import write_control
 from diagnose.probes.safefs import UnsafePath, read_regular
+from diagnose.units import rank_ranges
 
 CONTROL = "hang.json"
 MAX_DUMP_BYTES = 256 * 1024**2
@@ -126,12 +127,12 @@ def render_hang(rep: HangReport, now_ns: int | None = None) -> str:
     lines: list[str] = []
     stuck = [s for s in rep.groups if s.behind]
     if stuck:
-        names = ", ".join(map(str, rep.suspects))
+        names = rank_ranges(rep.suspects)
         lines.append(f"HANG HINT: rank(s) {names} did not enter the collective the others wait in")
         for s in stuck:
             f = s.frontier
             ago = f" {(now_ns - f.time_ns) / 1e9:.1f} s ago" if f.time_ns and now_ns > f.time_ns else ""
-            lines.append(f"  process group {s.group}: rank(s) {', '.join(map(str, s.waiting))} entered collective "
+            lines.append(f"  process group {s.group}: rank(s) {rank_ranges(s.waiting)} entered collective "
                          f"#{f.seq} ({f.op}){ago} and wait in it")
             for r in s.behind:
                 x = s.last[r]
@@ -143,14 +144,14 @@ def render_hang(rep: HangReport, now_ns: int | None = None) -> str:
                      "from it")
         for s in rep.groups:
             lines.append(f"  process group {s.group}: #{s.frontier.seq} ({s.frontier.op}) on rank(s) "
-                         f"{', '.join(map(str, s.waiting))}")
+                         f"{rank_ranges(s.waiting)}")
         lines.append("  next: the collective itself is stuck (network, a dead peer process) or the ranks wait "
                      "outside collectives; check the job's logs and the interconnect.")
     else:
         lines.append("HANG HINT: no collective recorded by the Flight Recorder on any rank that answered (it records "
                      "only if TORCH_FR_BUFFER_SIZE is set before the process group starts: diagnose run --flight-recorder)")
     if rep.no_dump:
-        lines.append(f"  no dump from rank(s) {', '.join(map(str, rep.no_dump))}: stuck holding the GIL (a C "
+        lines.append(f"  no dump from rank(s) {rank_ranges(rep.no_dump)}: stuck holding the GIL (a C "
                      "extension, a busy loop) or gone; they are suspects too")
     for r, why in sorted(rep.unavailable.items()):
         lines.append(f"  rank {r}: no Flight Recorder ({why}); set TORCH_FR_BUFFER_SIZE=2000 before the process "

@@ -37,6 +37,7 @@ from diagnose.ingest.assemble import Reader
 from diagnose.pipeline import diagnose_paths
 from diagnose.probedata import job_step_ms, load_probe_data
 from diagnose.rundir import resolve_run
+from diagnose.units import rank_ranges
 
 CAUSES = ("dataloader_starvation", "input_stall", "exposed_communication", "straggler", "launch_overhead")
 SCHEMA_VERSION = "1.1"
@@ -278,7 +279,7 @@ def _verdict(top: ScalePoint, bars: list[Bar], what_if: list[WhatIf], ideal: flo
         return head + ": nothing lost to any cause."
     b = lost[0]
     on = ranks.get(b.id, ())
-    where = f" on rank {', '.join(map(str, on))}" if on and len(on) < top.nproc else ""
+    where = f" on rank {rank_ranges(on)}" if on and len(on) < top.nproc else ""
     out = f"{head}: the largest loss is {LABELS.get(b.id, b.id)}{where} ({b.lost_speedup:.2f}x, " \
           f"{b.delta_ms:+.1f} ms per step)"
     w = next((x for x in what_if if x.id == b.id), None)

@@ -13,6 +13,8 @@ import json
 
 import plotly.io as pio
 
+from diagnose.units import rank_ranges
+
 from .charts import num
 
 MAX_EVENTS = 50      # per finding; the rest stay in diagnosis.json
@@ -70,16 +72,9 @@ def fmt_share(x) -> str:
 
 
 def fmt_ranks(ranks) -> str:
-    """'0–7' or '0, 2–7': compact even for hundreds of ranks."""
-    rs = sorted({int(r) for r in _list(ranks) if isinstance(r, int) or str(r).lstrip("-").isdigit()})
-    parts, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}–{rs[j]}")
-        i = j + 1
-    return ", ".join(parts) or "—"
+    """'0–7' or '0, 2–7': compact even for thousands of ranks (diagnose.units.rank_ranges)."""
+    rs = {int(r) for r in _list(ranks) if isinstance(r, int) or str(r).lstrip("-").isdigit()}
+    return esc(rank_ranges(rs, dash="–")) or "—"
 
 
 def fmt_value(v) -> str:

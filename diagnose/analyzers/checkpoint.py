@@ -31,6 +31,7 @@ from diagnose.step.intervals import covered, union
 from diagnose.model import Check, Finding
 from diagnose.thresholds import Thresholds
 from diagnose.step.timeline import RankTimeline, _names_matching
+from diagnose.units import rank_ranges
 
 ID = "checkpoint_io"
 TITLE = "Checkpoint writes block the training loop"
@@ -158,7 +159,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         "every_n_steps": every if every is not None else "once",
         "probed_steps": d["n"],
         "apis": ", ".join(sorted({str(c.get("api")) for c in all_recs})),
-        "writing_ranks": ", ".join(map(str, writers)),
+        "writing_ranks": rank_ranges(writers),
         "risk_direct_writes": f"{len(direct)} of {len(all_recs)} saves wrote straight to the final file name"
                               if direct else "none",
         "risk_single_writer": f"rank {single} writes every checkpoint alone" if single is not None else "no",

@@ -19,6 +19,7 @@ from diagnose.model import Check, Finding
 from diagnose.probedata import has_device_times, job_step_ms
 from diagnose.step.changes import Event, run_changes
 from diagnose.thresholds import Thresholds
+from diagnose.units import rank_ranges
 
 ID = "fail_slow"
 TITLE = "Fail-slow: the job got slower during the run"
@@ -53,7 +54,7 @@ def when(wall_s: float | None) -> str:
 def describe(e: Event) -> str:
     """One line an on-call engineer reads: when, where, what moved, and what it costs."""
     what = (f"the others wait for it at collectives (communication {e.cause_delta_ms:+.1f} ms per step on rank(s) "
-            f"{', '.join(map(str, e.waiting))}; its own work moved under the floor)" if e.waiting else
+            f"{rank_ranges(e.waiting)}; its own work moved under the floor)" if e.waiting else
             f"{WHAT.get(e.cause, e.cause)} {e.cause_delta_ms:+.1f} ms per step")
     text = (f"from step {e.step} ({when(e.wall_s)}): {e.place}, {what}; the job's step {e.step_before_ms:.1f} -> "
             f"{e.step_after_ms:.1f} ms ({e.lost_ms:+.1f} ms)")

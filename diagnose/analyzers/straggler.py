@@ -52,6 +52,7 @@ from diagnose.model import Check, Finding
 from diagnose.probedata import every_step_lateness
 from diagnose.step.timeline import RankTimeline
 from diagnose.thresholds import Thresholds
+from diagnose.units import rank_ranges
 
 ID = "straggler"
 TITLE = "Straggler rank(s) arriving late at collectives"
@@ -123,6 +124,8 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
                    calls=g["size"].to_numpy(dtype=float) / n)
 
 
+MAX_NAMED_IN_ORDER = 8
+"""Named ranks listed one by one, largest effect first, up to this many; beyond, as ranges."""
 MIN_OP_EXCESS_MS = 0.05  # the healthy floor: below it an op's excess is timer noise
 
 
@@ -384,12 +387,15 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     rows = pr[pr["rank"].isin(named)].nlargest(5, "lateness")
     refs = tuple(ctx.event_ref(int(r.rank), int(r.row), f"arrived {r.lateness / 1000:.2f} ms after the median rank")
                  for r in rows.itertuples())
-    names = ", ".join(map(str, named))
+    # the named ranks as ordered (largest effect first) while few; as ranges when many
+    names = ", ".join(map(str, named)) if len(named) <= MAX_NAMED_IN_ORDER else rank_ranges(named)
+    who = f"rank {names} is" if len(named) == 1 else f"ranks {names} are"
     size = (ctx.model.saving(ID, tuple(named)) or 0.0) if effect is not None and ctx.model else None
-    reason = (f"rank {names} is last to arrive at {consistent:.0%} of {n} collectives; the others wait "
-              f"{ms:.1f} ms per step for it")
+    reason = (f"{who} last to arrive at {'up to ' if len(named) > 1 else ''}{consistent:.0%} of {n} collectives; "
+              f"the others wait {ms:.1f} ms per step for {'it' if len(named) == 1 else 'them'}")
     if size is not None:
-        reason += f", and bringing it to the median rank gives back {size:.1f} ms per step (replayed)"
+        reason += (f", and bringing {'it' if len(named) == 1 else 'them'} to the median rank gives back {size:.1f} "
+                   "ms per step (replayed)")
     if len(named) == 1:
         source, excess, ops, detail = why_late(ctx, named[0])
         if source:
@@ -409,7 +415,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     if not late.beyond_chance(th):
         # measured 0: the waiting is the communication check's, counted there once
         return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
-                      reason=f"no rank is late more than chance: rank {names} is last at {consistent:.0%} of {n} "
+                      reason=f"no rank is late more than chance: {who} last at {consistent:.0%} of {n} "
                              f"collectives against {late.chance:.0%} by chance (p={late.p_value:.3f}, above "
                              f"{th.straggler_alpha / max(late.tests, 1):.4g} for each of {late.tests} tests); the "
                              f"{ms:.1f} ms per step of waiting is arrival jitter: no single rank to fix, and "

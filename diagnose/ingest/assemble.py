@@ -33,6 +33,7 @@ from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
 from diagnose.step.idle import IdleModel, idle_model
 from diagnose.step.timeline import RankTimeline, build_timeline
+from diagnose.units import rank_ranges
 
 # Below this much JSON in total, worker processes cost more to start than they save.
 PARALLEL_MIN_BYTES = 32 * 1024**2
@@ -380,10 +381,9 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     if run.missing_ranks:
         found = len(run.ranks)
         miss = run.missing_ranks
-        shown = ", ".join(map(str, miss[:10])) + (" ..." if len(miss) > 10 else "")
-        warnings.append(f"{found} of {world} ranks: missing rank(s) {shown}")
+        warnings.append(f"{found} of {world} ranks: missing rank(s) {rank_ranges(miss)}")
     salvaged = [r for r in run.ranks if run.traces[r].salvaged]
     if salvaged:
-        warnings.append(f"rank(s) {', '.join(map(str, salvaged))} salvaged from cut files: "
+        warnings.append(f"rank(s) {rank_ranges(salvaged)} salvaged from cut files: "
                         "findings that rely on them are less certain")
     return run

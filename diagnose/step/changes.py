@@ -54,6 +54,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.probedata import ProbeData, has_device_times, job_step_ms
+from diagnose.units import rank_ranges
 
 COMPONENTS = ("step_ms", "compute_ms", "dataloader_ms", "comm_ms", "late_ms")
 OWN_WORK = ("compute_ms", "dataloader_ms")
@@ -463,7 +464,7 @@ def _place(ranks: tuple[int, ...], hosts: dict[int, str | None]) -> str:
         mine = {known[r] for r in ranks}
         if len(mine) == 1 and {r for r in every if known[r] in mine} == set(ranks):
             return f"host {next(iter(mine))}"
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    return ("rank " if len(ranks) == 1 else "ranks ") + rank_ranges(ranks)
 
 
 MAX_POINTS = 600
