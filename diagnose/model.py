@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.10"
+SCHEMA_VERSION = "1.11"
 
 FindingId = Literal[
     "dataloader_starvation",

@@ -11,7 +11,7 @@ from diagnose.context import Context, build_context, prune_dead_views
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import Progress, Reader, ReduceFailed, Run, load_run
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
-from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
+from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
 from diagnose.step.bandwidth import comm_table
 from diagnose.step.changes import over_time
@@ -93,7 +93,9 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
-    extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx), "top_ops": _top_ops_extra(ctx),
+    shown = shown_ranks(ctx, findings)
+    extras = {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx, shown),
+              "top_ops": _top_ops_extra(ctx, shown),
               "comm_groups": _comm_groups_extra(ctx, th, link), "compiled": _compiled_extra(ctx),
               "over_time": _over_time_extra(ctx, checks)}
     if ctx.model is not None:
@@ -122,21 +124,71 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
 
 MAX_TIMELINE_RANKS = 16
 MAX_LANE_INTERVALS = 400
+SINGLED_OUT = 4
+"""Ranks taken from each finding that singles out a few, when the run has more than can be drawn."""
 
 
-def _timeline_extra(ctx: Context) -> dict:
-    """Representative steps per rank as lanes of intervals (ms from the earliest rank's step start,
-    clocks aligned), for the report's mini timeline. Among the steps every shown rank profiled, by
-    their duration on the lowest rank: the median step (the top-level fields), and the slowest
-    and fastest (under "other_steps", when they are other steps), for the page's step selector."""
+def shown_ranks(ctx: Context, findings: list[Finding]) -> list[int]:
+    """The ranks the report draws one by one (the timeline's lanes, the heaviest ops), at most
+    MAX_TIMELINE_RANKS: every rank when there are that few. Past that (#20: a 1,024-rank job),
+    the ranks that matter first: those a flagged finding singles out (a straggler; up to
+    SINGLED_OUT from each finding naming under half the ranks), the ranks the median step's
+    critical path runs through, the slowest and the fastest rank by mean step; then the lowest
+    ranks. Ranks 0-15 alone would leave out a straggler at rank 700."""
+    ranks = ctx.run.ranks
+    if len(ranks) <= MAX_TIMELINE_RANKS:
+        return ranks
+    pick: list[int] = []
+    for f in findings:
+        if len(f.ranks) < len(ranks) / 2:
+            pick += list(f.ranks[:SINGLED_OUT])
+    pick += _critical_ranks(ctx)
+    mean = ctx.per_rank_mean("step_ms")
+    if len(mean):
+        pick += [int(mean.idxmax()), int(mean.idxmin())]
+    pick += ranks
+    out = list(dict.fromkeys(r for r in pick if r in ctx.run.timelines))[:MAX_TIMELINE_RANKS]
+    return sorted(out)
+
+
+def _critical_ranks(ctx: Context) -> list[int]:
+    """The ranks the median step's critical path runs through, in the order it meets them."""
+    m = ctx.model
+    step = _median_step(ctx, ctx.run.ranks)
+    if m is None or not m.trusted or step is None:
+        return []
+    try:
+        return list(dict.fromkeys(r for _, _, r, _ in critical_segments(m.graph, m.base, step)))
+    except Exception:  # noqa: BLE001 - which ranks to draw; the diagnosis stands without it
+        return []
+
+
+def _median_step(ctx: Context, ranks: list[int]) -> int | None:
+    """The median step by duration on the lowest rank, among the steps every rank in `ranks` profiled."""
+    order = _steps_by_duration(ctx, ranks)
+    return order[len(order) // 2] if order else None
+
+
+def _steps_by_duration(ctx: Context, ranks: list[int]) -> list[int]:
     run = ctx.run
-    ranks = run.ranks[:MAX_TIMELINE_RANKS]
     common = set.intersection(*(set(run.timelines[r].steps["step"]) for r in ranks))
     if not common:
-        return {}
+        return []
     first = run.timelines[ranks[0]].steps
     cand = first[first["step"].isin(common)].assign(d=lambda f: f["end"] - f["start"]).sort_values("d", kind="stable")
-    order = [int(x) for x in cand["step"]]
+    return [int(x) for x in cand["step"]]
+
+
+def _timeline_extra(ctx: Context, ranks: list[int]) -> dict:
+    """Representative steps of the shown ranks as lanes of intervals (ms from the earliest rank's
+    step start, clocks aligned), for the report's mini timeline. Among the steps every shown rank
+    profiled, by their duration on the lowest rank: the median step (the top-level fields), and the
+    slowest and fastest (under "other_steps", when they are other steps), for the page's step
+    selector. `shown`: which ranks of how many, when not all."""
+    run = ctx.run
+    order = _steps_by_duration(ctx, ranks)
+    if not order:
+        return {}
     median = order[len(order) // 2]
     out = _step_lanes(ctx, ranks, median)
     others = {}
@@ -145,6 +197,10 @@ def _timeline_extra(ctx: Context) -> dict:
             others[label] = _step_lanes(ctx, ranks, step)
     if others:
         out["other_steps"] = others
+    if len(ranks) < len(run.ranks):
+        out["shown"] = {"ranks": len(ranks), "of": len(run.ranks),
+                        "why": "the ranks a finding singles out, those the median step's critical path runs "
+                               "through, the slowest and the fastest by mean step, then the lowest"}
     return out
 
 
@@ -182,18 +238,20 @@ def _step_lanes(ctx: Context, ranks: list[int], step: int) -> dict:
                 iv[0] = round(iv[0] - t0, 4)
     out = {"step": step, "ranks": rows, "clock": "ms from the earliest rank's step start, clocks aligned"}
     m = ctx.model
-    if m is not None and m.trusted and len(run.ranks) <= MAX_TIMELINE_RANKS:
-        # the chain that set this step's end, as a strip over the lanes: [start, dur, rank, part]
+    if m is not None and m.trusted:
+        # the chain that set this step's end, as a strip over the lanes: [start, dur, rank, part];
+        # drawn only when every rank it runs through is drawn too
         segs = critical_segments(m.graph, m.base, step)[:MAX_LANE_INTERVALS]
-        out["critical_path"] = [[round(a / 1000 - t0, 4), round((b - a) / 1000, 4), r, what]
-                                for a, b, r, what in segs]
+        if {r for _, _, r, _ in segs} <= set(ranks):
+            out["critical_path"] = [[round(a / 1000 - t0, 4), round((b - a) / 1000, 4), r, what]
+                                    for a, b, r, what in segs]
     return out
 
 
 TOP_OPS_SHOWN = 10
 
 
-def _top_ops_extra(ctx: Context) -> dict:
+def _top_ops_extra(ctx: Context, ranks: list[int]) -> dict:
     """Each rank's heaviest work, for the report's per-rank table: per name, ms per step (self
     time of host ops on CPU ranks, kernel time on GPU ranks: where the step's time is spent),
     calls per step, share of the rank's mean step. From the straggler check's per-rank summary
@@ -204,7 +262,7 @@ def _top_ops_extra(ctx: Context) -> dict:
         return {}
     steps = ctx.per_rank_mean("step_ms")
     out = []
-    for r in ctx.run.ranks[:MAX_TIMELINE_RANKS]:
+    for r in ranks:
         ops = getattr(facts.get(r), "ops", ())
         step = float(steps.get(r, 0.0))
         if not ops:

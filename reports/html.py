@@ -130,14 +130,16 @@ def _timeline_section(extras: dict, cs: ChartSet) -> str:
     tl = _dict(extras.get("timeline"))
     others = [(str(k), _dict(v)) for k, v in _dict(tl.get("other_steps")).items() if k in ("slowest", "fastest")]
     views = [("median", tl)] + others
+    shown = _dict(tl.get("shown"))
     charts_html = []
     for which, t in views:
         fig = charts.step_timeline(t, f"{which} step" if len(views) > 1 else "")
         if fig is None:
             continue
         hidden = " timeline-hidden" if charts_html else ""
+        on = "on every rank" if not shown else "on the ranks shown"
         charts_html.append((which, t.get("step"), f'<div class="timeline-view{hidden}" data-view="{esc(which)}">'
-                            f'{cs.add(fig, f"Timeline of the {which} step on every rank")}</div>'))
+                            f'{cs.add(fig, f"Timeline of the {which} step {on}")}</div>'))
     if not charts_html:
         return ""
     selector = ""
@@ -146,7 +148,9 @@ def _timeline_section(extras: dict, cs: ChartSet) -> str:
         buttons = "".join(f'<button type="button" data-view="{esc(w)}" aria-pressed="{str(i == 0).lower()}">'
                           f'{esc(w)} step ({esc(s)})</button>' for i, (w, s, _) in enumerate(charts_html))
         selector = f'<div class="step-selector" role="group" aria-label="Step shown">Show: {buttons}</div>'
-    return (selector + "".join(h for _, _, h in charts_html) +
+    note = (f'<p class="muted">{esc(shown.get("ranks"))} of {esc(shown.get("of"))} ranks shown: '
+            f'{esc(shown.get("why"))}.</p>' if shown else "")
+    return (selector + "".join(h for _, _, h in charts_html) + note +
             '<p class="muted">Real intervals from the traces: when each rank computed, communicated or waited for '
             'data during one step. A rank whose rows start late is the one the others wait for.</p>')
 
