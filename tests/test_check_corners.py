@@ -413,9 +413,9 @@ def test_a_rank_without_an_idle_split_is_left_out_of_the_late_ranks_comparison()
     launch = {r: statistics.fmean(d["launch"] for d in t[t["rank"] == r]["other_by_cause_ms"])
               for r in run.ranks if r not in (1, 2, 3)}
     want = launch[7] - statistics.median(v for r, v in launch.items() if r != 7)
-    source, _, _, detail = straggler.why_late(ctx, 7)
-    assert source == "host gaps or device idle"
-    assert detail == f", mostly the device waiting for host launches (+{want:.1f} ms)"
+    w = straggler.why_late(ctx, 7)
+    assert w.source == "host gaps or device idle"
+    assert w.detail == f", mostly the device waiting for host launches (+{want:.1f} ms)"
 
 
 def test_an_op_the_late_rank_spends_exactly_the_floor_more_in_is_named():
@@ -427,11 +427,10 @@ def test_an_op_the_late_rank_spends_exactly_the_floor_more_in_is_named():
     floor = straggler.MIN_OP_EXCESS_MS
     same = _with_facts(run, "straggler", lambda r, f: straggler.RankOps.of(
         base + ((("aten::tiny_op", floor, 1),) if r == 1 else ())))
-    _, _, ops, _ = straggler.why_late(build_context(same, {}), 1)
-    assert ops == f"aten::tiny_op +{floor:.2f} ms/step (+1 calls)"
+    assert straggler.why_late(build_context(same, {}), 1).ops == f"aten::tiny_op +{floor:.2f} ms/step (+1 calls)"
     below = _with_facts(run, "straggler", lambda r, f: straggler.RankOps.of(
         base + ((("aten::tiny_op", float(np.nextafter(floor, 0.0)), 1),) if r == 1 else ())))
-    assert straggler.why_late(build_context(below, {}), 1)[2] == ""
+    assert straggler.why_late(build_context(below, {}), 1).ops == ""
 
 
 def test_without_a_step_model_the_straggler_is_decided_by_its_wait():

@@ -303,3 +303,24 @@ def test_a_straggler_in_a_trace_without_ops_is_named_without_an_op_diff(tmp_path
     c = straggler(diagnose_paths([tmp_path]))
     assert c.status == "flagged" and c.finding.ranks == (1,)
     assert "late_rank_extra_ops" not in c.finding.metrics
+
+
+def test_a_rank_late_from_its_ops_is_explained_by_the_op_diff(tmp_path):
+    write_pair(tmp_path, [1] * 6, late_us=2_000.0)  # rank 1's aten::mm runs 2 ms longer each step
+    c = straggler(diagnose_paths([tmp_path]))
+    assert "it is late from compute (+2.0 ms per step against the median rank): aten::mm +2.00 ms/step" in c.reason
+
+
+def test_a_rank_late_outside_its_ops_is_not_explained_by_them():
+    """The recorded straggler job: rank 1 sleeps 150 ms a step. Its ops differ from rank 0's by a
+    few ms in all; naming them as why it is late (as the reason did: "...: aten::clamp_min +0.43
+    ms/step") points the user at the wrong place. On a CPU rank the time is host gaps, not device idle."""
+    from pathlib import Path
+
+    d = diagnose_paths([Path(__file__).parent / "fixtures" / "cpu_straggler_2rank"])
+    c = straggler(d)
+    assert c.finding.ranks == (1,)
+    assert "it is late from host gaps (+" in c.reason and "device idle" not in c.reason
+    assert "its ops take about as long as the median rank's (+" in c.reason
+    assert "the time is outside them (a sleep" in c.reason
+    assert "late_rank_extra_ops" in c.finding.metrics  # the diff itself stays, as evidence

@@ -65,6 +65,11 @@ FIX = ("Find what makes the named rank(s) late: compare their step breakdown wit
 TOP_OPS = 200  # per rank: enough to diff any op that matters, small enough to ship from a worker
 SOURCES = {"compute_ms": "compute", "dataloader_ms": "the DataLoader", "other_ms": "host gaps or device idle",
            "exposed_comm_ms": "its own communication"}
+CPU_OTHER = "host gaps"
+"""A CPU rank's "other" time: outside any profiled op (it has no device to idle)."""
+OPS_EXPLAIN = 0.25
+"""The op diff is given as the reason a rank is late when its ops' excess is at least this share of
+the rank's excess (or the rank is late from compute); below, the reason says the time is elsewhere."""
 IDLE_SOURCES = {"launch": "the device waiting for host launches", "sync": "host sync drains",
                 "queued": "work queued behind other streams", "input": "blocking input copies",
                 "unattributed": "unattributed device idle", "latency": "scheduling latency"}
@@ -135,16 +140,38 @@ def _short(name: str) -> str:
     return n[:80]
 
 
-def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str, str]:
-    """(largest source of the rank's excess, excess per breakdown component in ms per step, the ops
-    it spends more time in than the median other rank, and on GPU ranks late from device idle the
-    idle class it has most more of, as ", mostly ...")."""
+@dataclass(frozen=True, slots=True)
+class WhyLate:
+    """Why one rank is late, against the median other rank over the same steps."""
+
+    source: str | None
+    """The breakdown component it has most more of ("compute", "host gaps", ...); None: none more."""
+    key: str | None
+    """That component's column (a SOURCES key)."""
+    excess: dict[str, float]
+    """Its excess per breakdown component, ms per step."""
+    ops: str
+    """The ops (GPU: kernels) it spends more time in, from MIN_OP_EXCESS_MS per step up, largest first."""
+    ops_ms: float
+    """Its ops' excess in all (every op's positive difference), ms per step."""
+    detail: str
+    """GPU ranks late from device idle: the idle class it has most more of, as ", mostly ..."."""
+
+    @property
+    def ops_explain(self) -> bool:
+        """Whether the op diff accounts for the lateness, rather than a time outside the ops."""
+        if not self.ops or self.key is None:
+            return False
+        return self.key == "compute_ms" or self.ops_ms >= OPS_EXPLAIN * self.excess[self.key]
+
+
+def why_late(ctx: Context, rank: int) -> WhyLate:
     means = ctx.table.groupby("rank")[list(SOURCES)].mean()
     if rank not in means.index or len(means) < 2:
-        return None, {}, "", ""
+        return WhyLate(None, None, {}, "", 0.0, "")
     excess = (means.loc[rank] - means.drop(index=rank).median()).to_dict()
     top = max(excess, key=excess.get)
-    source = SOURCES[top] if excess[top] > 0 else None
+    source = (CPU_OTHER if top == "other_ms" and not ctx.run.is_gpu else SOURCES[top]) if excess[top] > 0 else None
     detail = ""
     if top == "other_ms" and source and "other_by_cause_ms" in ctx.table:
         # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes).
@@ -155,7 +182,7 @@ def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str
             cls = (m.loc[rank] - m.drop(index=rank).median()).sort_values(ascending=False)
             if len(cls) and cls.iloc[0] > 0 and cls.index[0] in IDLE_SOURCES:
                 detail = f", mostly {IDLE_SOURCES[cls.index[0]]} (+{cls.iloc[0]:.1f} ms)"
-    ops = ""
+    ops, ops_ms = "", 0.0
     try:
         facts = ctx.facts(ID)
     except RuntimeError:
@@ -174,7 +201,9 @@ def why_late(ctx: Context, rank: int) -> tuple[str | None, dict[str, float], str
         top_ops = d_ms[d_ms >= MIN_OP_EXCESS_MS].nlargest(3)
         ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
                                                              else "") for n, v in top_ops.items())
-    return source, {k: round(float(v), 3) for k, v in excess.items()}, ops, detail
+        ops_ms = float(d_ms[d_ms > 0].sum())
+    return WhyLate(source, top if source else None, {k: round(float(v), 3) for k, v in excess.items()}, ops,
+                   round(ops_ms, 3), detail)
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -397,16 +426,23 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         reason += (f", and bringing {'it' if len(named) == 1 else 'them'} to the median rank gives back {size:.1f} "
                    "ms per step (replayed)")
     if len(named) == 1:
-        source, excess, ops, detail = why_late(ctx, named[0])
-        if source:
-            metrics["late_from"] = source + detail
-            key = next(k for k, v in SOURCES.items() if v == source)
-            reason += f"; it is late from {source} (+{excess[key]:.1f} ms per step against the median rank){detail}"
-        for k, v in excess.items():
+        w = why_late(ctx, named[0])
+        if w.source and w.key:
+            metrics["late_from"] = w.source + w.detail
+            reason += (f"; it is late from {w.source} (+{w.excess[w.key]:.1f} ms per step against the median "
+                       f"rank){w.detail}")
+        for k, v in w.excess.items():
             metrics[f"late_rank_extra_{k}"] = v
-        if ops:
-            metrics["late_rank_extra_ops"] = ops
-            reason += f": {ops}"
+        if w.ops:
+            metrics["late_rank_extra_ops"] = w.ops
+        if w.ops_explain:
+            reason += f": {w.ops}"
+        elif w.key == "other_ms":
+            # its ops are not why: say so, lest a +0.4 ms op read as the cause of a 150 ms wait
+            where = ("the device idles between them" if ctx.run.is_gpu else
+                     "the time is outside them (a sleep, Python work, I/O, a wait the profiler does not record)")
+            reason += (f"; its {'kernels' if ctx.run.is_gpu else 'ops'} take about as long as the median rank's "
+                       f"({w.ops_ms:+.1f} ms per step in all): {where}")
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=tuple(named), metrics=metrics, events=refs, fix=FIX, confidence=confidence_for(ctx, base),
