@@ -361,3 +361,18 @@ def test_every_step_of_the_run_is_drawn_from_the_probes_record():
     assert 'id="over-time"' in page and "Step time over the whole run" in page
     # a diagnosis without the record (bare traces): no section
     assert 'id="over-time"' not in render(diagnosis_json("param_dlrm_8rank_v100"))
+
+
+def test_a_per_rank_metric_of_many_ranks_is_one_row_with_its_median_and_highest_ranks():
+    """A 1,024-rank straggler finding carries rank<R>_mean_lateness_ms for every rank: the page's
+    evidence table had 1,049 rows. Past MAX_RANK_ROWS ranks a family is one row; few stay rows."""
+    from reports.html import MAX_RANK_ROWS, _metrics_table
+
+    many = {"collectives_matched": 5, **{f"rank{r}_mean_lateness_ms": (141.75 if r == 700 else 0.0) for r in range(1024)},
+            "rank700_last_share": 1.0, "p_late_on_average": 0.0}
+    html = _metrics_table(many)
+    assert html.count("<tr>") == 4
+    assert "Per rank (1024 ranks): Mean lateness (ms)" in html
+    assert "median 0.000; highest: rank 700 141.8, rank 0 0.000" in html and "(all 1024 in diagnosis.json)" in html
+    few = {f"rank{r}_mean_lateness_ms": float(r) for r in range(MAX_RANK_ROWS)}
+    assert _metrics_table(few).count("<tr>") == MAX_RANK_ROWS
