@@ -324,3 +324,62 @@ def test_a_rank_late_outside_its_ops_is_not_explained_by_them():
     assert "its ops take about as long as the median rank's (+" in c.reason
     assert "the time is outside them (a sleep" in c.reason
     assert "late_rank_extra_ops" in c.finding.metrics  # the diff itself stays, as evidence
+
+
+def _spread_straggler(out, world: int, late: set[int]) -> None:
+    """The recorded 2-rank straggler job (rank 1 sleeps 150 ms a step) as `world` ranks: the ranks in
+    `late` carry the sleeping rank's trace, every other rank the punctual one's (ids rewritten)."""
+    import gzip
+    from pathlib import Path
+
+    src = sorted((Path(__file__).parent / "fixtures" / "cpu_straggler_2rank").glob("rank*.json.gz"))
+    punctual, sleeper = (orjson.loads(gzip.decompress(p.read_bytes())) for p in src)
+    for r in range(world):
+        doc = sleeper if r in late else punctual
+        doc["distributedInfo"] = {**doc["distributedInfo"], "rank": r, "world_size": world}
+        (out / f"rank{r}.pt.trace.json").write_bytes(orjson.dumps(doc))
+
+
+def test_a_slow_host_s_ranks_late_together_are_named_together(tmp_path_factory):
+    """8 of 32 ranks (a host's worth) 150 ms late at every collective: each one alone sets no step's
+    end (its 7 peers are as late), so single-rank effects are 0 and the verdict was "no significant
+    cause found". Named together, sized by one replay with all 8 at the median rank."""
+    from tests.conftest import built_once
+
+    d = diagnose_paths([built_once(tmp_path_factory, "host8of32", lambda o: _spread_straggler(o, 32, set(range(8, 16))))])
+    c = straggler(d)
+    assert c.status == "flagged" and d.top is not None and d.top.id == "straggler"
+    assert sorted(c.finding.ranks) == list(range(8, 16))
+    assert "ranks 8-15 are last to arrive at 100% of 5 collectives (late together: 8 ranks)" in c.reason
+    assert c.finding.metrics["late_together"] == 8
+    assert 120 < c.finding.recoverable_ms < 160  # the 150 ms sleep, less what overlaps it
+    assert c.finding.metrics["wait_imposed_ms_per_step"] > 120
+    assert "late from host gaps" in c.reason
+
+
+def test_past_the_per_rank_replays_a_late_rank_is_still_sized_by_the_replay(tmp_path_factory):
+    from diagnose.analyzers.straggler import MAX_EFFECT_RANKS
+    from tests.conftest import built_once
+
+    world = MAX_EFFECT_RANKS + 8
+    d = diagnose_paths([built_once(tmp_path_factory, "late70", lambda o: _spread_straggler(o, world, {world - 2}))])
+    c = straggler(d)
+    assert c.status == "flagged" and c.finding.ranks == (world - 2,)
+    assert "gives back" in c.reason and "(replayed)" in c.reason
+    assert not any(k.endswith("_effect_ms") for k in c.finding.metrics)  # no per-rank replays at this size
+
+
+def test_a_late_group_needs_a_gap_beyond_the_threshold_and_fewer_than_half_the_ranks():
+    import pandas as pd
+
+    from diagnose.analyzers.straggler import late_group
+    from diagnose.thresholds import DEFAULT
+
+    step = 100.0  # ms: the gap must be 5 ms or more
+    jitter = pd.Series([0.0, 1.0, 2.0, 3.0, 2.5, 1.5, 0.5, 4.0])
+    assert late_group(jitter, step, DEFAULT) == []
+    host = pd.Series([0.0] * 12 + [30.0, 31.0, 29.0, 30.5], index=range(16))
+    assert late_group(host, step, DEFAULT) == [13, 15, 12, 14]
+    half = pd.Series([0.0] * 8 + [30.0] * 8)  # half the ranks late: the others are the outliers, not a group
+    assert late_group(half, step, DEFAULT) == []
+    assert late_group(pd.Series([0.0, 50.0]), step, DEFAULT) == []  # two ranks: the single-rank path decides
