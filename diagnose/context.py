@@ -12,9 +12,10 @@ from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.model import EventRef, StepBreakdown
 from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import compute_breakdown
-from diagnose.step.collectives import Matched, match_collectives
+from diagnose.step.collectives import Matched, late_group, match_collectives, wait_for_group
 from diagnose.step.graph import build_graph
 from diagnose.step.intervals import covered
+from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.whatif import StepModel, step_model
 
 
@@ -32,6 +33,11 @@ class Context:
     (diagnose/whatif.py): each finding's recoverable ms comes from editing it. None when it could
     not be built (model_error says why)."""
     model_error: str | None = None
+    late_together: tuple[int, ...] = ()
+    """Ranks late at the collectives by a wide gap over the rest (fewer than half of them), whose
+    being brought to the median rank the replay confirms is worth the straggler threshold
+    (`late_peers`); with two or more, the breakdown books the others' wait for all of them as
+    waiting for a late peer, not as exposed communication."""
 
     def facts(self, name: str) -> dict:
         """Each rank's per-rank summary from check `name`'s reduce phase, by rank.
@@ -104,14 +110,34 @@ def prune_dead_views(run: Run) -> None:
                 refs.has_reference()
 
 
-def build_context(run: Run, probes: dict[int, ProbeData] | None = None) -> Context:
+def late_peers(run: Run, matched: Matched, model: StepModel | None, th: Thresholds) -> tuple[int, ...]:
+    """The ranks late together (collectives.late_group: a gap of the straggler threshold's share of
+    the step, above the healthy floor), kept when one replay with all of them brought to the median
+    rank gives back that share too: a gap of clock skew alone makes no one wait and gives nothing
+    back. () without a faithful step model."""
+    pr = matched.per_rank
+    if model is None or not model.trusted or pr.empty:
+        return ()
+    spans = [tl.steps["end"].to_numpy() - tl.steps["start"].to_numpy() for tl in run.timelines.values()]
+    step_ms = float(np.concatenate(spans).mean()) / 1000 if spans else 0.0
+    floor = max(th.healthy_floor_ms, th.straggler * step_ms)
+    group = late_group(pr.groupby("rank")["lateness"].mean() / 1000, floor)
+    if not group:
+        return ()
+    saved = model.saving("straggler", tuple(group)) or 0.0
+    return tuple(group) if saved >= floor else ()
+
+
+def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thresholds = DEFAULT) -> Context:
     matched = match_collectives(run)
-    steps = tuple(compute_breakdown(run, matched))
-    table = pd.DataFrame([asdict(s) for s in steps])
     model, error = None, None
     try:
         model = step_model(build_graph(run))
     except Exception as exc:  # noqa: BLE001 - the checks' own estimates stand without the replay
         error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]
+    together = late_peers(run, matched, model, th)
+    matched = wait_for_group(matched, together)
+    steps = tuple(compute_breakdown(run, matched))
+    table = pd.DataFrame([asdict(s) for s in steps])
     return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {}, model=model,
-                   model_error=error)
+                   model_error=error, late_together=together)

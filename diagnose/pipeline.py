@@ -87,7 +87,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
                  link: LinkSpec | None = None) -> Diagnosis:
     """link: the link's peak bus bandwidth as the user gives it (--link-gbps), for the
     communication table's verdict on each group (diagnose/step/link.py)."""
-    ctx = build_context(run, probes)
+    ctx = build_context(run, probes, th)
     checks, warnings = run_checklist(ctx, th)
     prune_dead_views(run)  # once: after every check, before the extras (context.prune_dead_views: why)
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}

@@ -355,6 +355,13 @@ def test_a_slow_host_s_ranks_late_together_are_named_together(tmp_path_factory):
     assert 120 < c.finding.recoverable_ms < 160  # the 150 ms sleep, less what overlaps it
     assert c.finding.metrics["wait_imposed_ms_per_step"] > 120
     assert "late from host gaps" in c.reason
+    # the others' wait for the group is waiting for late peers in the breakdown, not exposed
+    # communication (it was 147 ms of "exposed" all-reduce a step, which no bucket size shortens)
+    comm = next(x for x in d.checks if x.id == "exposed_communication")
+    assert comm.measured_ms < 20
+    punctual = [s for s in d.breakdown if s.rank not in range(8, 16)]
+    assert sum(s.straggler_wait_ms for s in punctual) / len(punctual) > 120
+    assert max(s.exposed_comm_ms for s in punctual) < 20
 
 
 def test_past_the_per_rank_replays_a_late_rank_is_still_sized_by_the_replay(tmp_path_factory):
@@ -372,14 +379,13 @@ def test_past_the_per_rank_replays_a_late_rank_is_still_sized_by_the_replay(tmp_
 def test_a_late_group_needs_a_gap_beyond_the_threshold_and_fewer_than_half_the_ranks():
     import pandas as pd
 
-    from diagnose.analyzers.straggler import late_group
-    from diagnose.thresholds import DEFAULT
+    from diagnose.step.collectives import late_group
 
-    step = 100.0  # ms: the gap must be 5 ms or more
+    gap = 5.0  # ms: 5% of a 100 ms step
     jitter = pd.Series([0.0, 1.0, 2.0, 3.0, 2.5, 1.5, 0.5, 4.0])
-    assert late_group(jitter, step, DEFAULT) == []
+    assert late_group(jitter, gap) == []
     host = pd.Series([0.0] * 12 + [30.0, 31.0, 29.0, 30.5], index=range(16))
-    assert late_group(host, step, DEFAULT) == [13, 15, 12, 14]
+    assert late_group(host, gap) == [13, 15, 12, 14]
     half = pd.Series([0.0] * 8 + [30.0] * 8)  # half the ranks late: the others are the outliers, not a group
-    assert late_group(half, step, DEFAULT) == []
-    assert late_group(pd.Series([0.0, 50.0]), step, DEFAULT) == []  # two ranks: the single-rank path decides
+    assert late_group(half, gap) == []
+    assert late_group(pd.Series([0.0, 50.0]), gap) == []  # two ranks: the single-rank path decides

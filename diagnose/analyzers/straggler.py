@@ -330,38 +330,6 @@ def effects(ctx: Context) -> dict[int, float] | None:
     return {r: m.saving(ID, (r,)) or 0.0 for r in ctx.run.ranks}
 
 
-def late_group(lateness_ms: pd.Series, step_ms: float, th: Thresholds) -> list[int]:
-    """The ranks above the widest gap in the ranks' mean lateness, among fewer than half of them
-    (latest first), when that gap is the straggler threshold's share of the step or more (and above
-    the healthy floor); [] otherwise. A slow host's ranks arrive late together: bringing any one of
-    them to the median saves nothing while the group costs the whole wait (measured: 8 of 32 ranks
-    150 ms late each step read "no significant cause found"). Under jitter the widest gap is a
-    small share of the step."""
-    lat = lateness_ms.sort_values(ascending=False, kind="stable")
-    kmax = (len(lat) - 1) // 2
-    if kmax < 1:
-        return []
-    v = lat.to_numpy(dtype=float)
-    gaps = v[:kmax] - v[1:kmax + 1]
-    k = int(np.argmax(gaps)) + 1
-    if gaps[k - 1] < max(th.healthy_floor_ms, th.straggler * step_ms):
-        return []
-    return [int(r) for r in lat.index[:k]]
-
-
-def _group_wait_ms(pr: pd.DataFrame, named: list[int]) -> float:
-    """Per step, the time everyone else waits at each collective after the last of them arrived
-    until the last named rank arrived, summed over the step's collectives; mean over steps."""
-    late = pr["rank"].isin(named)
-    key = ["step", "pg", "seq"]
-    both = pd.concat([pr[late].groupby(key)["arrival"].max().rename("named"),
-                      pr[~late].groupby(key)["arrival"].max().rename("rest")], axis=1, join="inner")
-    if both.empty:
-        return 0.0
-    per = (both["named"] - both["rest"]).clip(lower=0).groupby(level="step").sum()
-    return float(per.mean()) / 1000
-
-
 def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) -> LateRank | None:
     """The ranks named (by_effect, else the rank most often last at the matched collectives) and
     the chance tests on them (None: nothing to match)."""
@@ -421,23 +389,19 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         # stragglers are the few the rest wait for: fewer than half the ranks (the largest first)
         by_effect = big[:max(1, (len(effect) - 1) // 2)] or None
     m = ctx.model
-    if by_effect is None and m is not None and m.trusted:
-        # ranks late together (a slow host), or past MAX_EFFECT_RANKS any late rank: one replay
-        found = late_group(lateness_ms, step_ms, th)
-        if found and (effect is None or len(found) > 1):
-            g = m.saving(ID, tuple(found)) or 0.0
-            if g >= th.healthy_floor_ms and g / step_ms >= th.straggler:
-                by_effect, group = found, found
+    found = list(ctx.late_together)  # ranks late together (a slow host), confirmed by one replay
+    if by_effect is None and found and (effect is None or len(found) > 1):
+        # past MAX_EFFECT_RANKS a single late rank comes this way too
+        by_effect, group = found, found
     late = late_rank(ctx, th, by_effect)
     if late is None:
         return [not_measurable(ID, TITLE, "no collectives could be matched across ranks")]
     n, named, consistent = len(pc), list(late.named), late.consistent
-    if len(named) > 1:
-        ms = _group_wait_ms(pr, named)
-    else:
-        wait = ctx.per_rank_mean("straggler_wait_ms")
-        others = wait.drop(index=named, errors="ignore")
-        ms = float(np.median(others.to_numpy())) if len(others) else 0.0
+    # what the others wait for the last rank alone, or for the ranks late together (the breakdown's
+    # split: context.late_peers)
+    wait = ctx.per_rank_mean("straggler_wait_ms")
+    others = wait.drop(index=named, errors="ignore")
+    ms = float(np.median(others.to_numpy())) if len(others) else 0.0
     share = ms / ctx.mean_step_ms
     mismatched = int((~pc["names_agree"].astype(bool)).sum())
     metrics: dict[str, float | int | str] = {
@@ -505,8 +469,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=tuple(named), metrics=metrics, events=refs, fix=FIX, confidence=confidence_for(ctx, base),
-        method=("Per step, the time the other ranks wait at each collective after the last of them arrived "
-                "until the last named rank arrived (the named ranks arrive late together)." if len(named) > 1 else
+        method=("Median over the other ranks of per-step time spent waiting, at each collective, for ranks "
+                f"{rank_ranges(ctx.late_together)}, late together (after the last of the others arrived)."
+                if len(ctx.late_together) > 1 else
                 "Median over the other ranks of per-step time spent waiting, at each collective, for the "
                 "last rank alone (after the second-latest arrived)."))
     if not late.beyond_chance(th):

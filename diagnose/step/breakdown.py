@@ -6,8 +6,9 @@ activity is counted once):
 - CPU: DataLoader wait > compute > communication > other (host gaps, sleeps).
 On GPU ranks `other` is split by the idle model's classes (why the device idled).
 Communication not hidden under compute is split into the part spent waiting for the
-single last-arriving rank of each collective (`straggler_wait`: what fixing that rank
-would give back) and the rest (`exposed_comm`: transfers and general arrival skew).
+single last-arriving rank of each collective, or for the ranks late together when the context
+found some (`straggler_wait`: what fixing them would give back; collectives.wait_for_group),
+and the rest (`exposed_comm`: transfers and general arrival skew).
 """
 from __future__ import annotations
 
