@@ -112,20 +112,34 @@ def prune_dead_views(run: Run) -> None:
 
 def late_peers(run: Run, matched: Matched, model: StepModel | None, th: Thresholds) -> tuple[int, ...]:
     """The ranks late together (collectives.late_group: a gap of the straggler threshold's share of
-    the step, above the healthy floor), kept when one replay with all of them brought to the median
-    rank gives back that share too: a gap of clock skew alone makes no one wait and gives nothing
-    back. () without a faithful step model."""
+    the step, above the healthy floor), kept when bringing them all to the median rank is worth
+    that share too: by one replay where the step model is faithful, else by what the others wait
+    for them inside the collectives. A gap of clock skew alone makes no one wait: neither figure
+    moves."""
     pr = matched.per_rank
-    if model is None or not model.trusted or pr.empty:
+    if pr.empty:
         return ()
     spans = [tl.steps["end"].to_numpy() - tl.steps["start"].to_numpy() for tl in run.timelines.values()]
     step_ms = float(np.concatenate(spans).mean()) / 1000 if spans else 0.0
     floor = max(th.healthy_floor_ms, th.straggler * step_ms)
-    group = late_group(pr.groupby("rank")["lateness"].mean() / 1000, floor)
+    group = tuple(late_group(pr.groupby("rank")["lateness"].mean() / 1000, floor))
     if not group:
         return ()
-    saved = model.saving("straggler", tuple(group)) or 0.0
-    return tuple(group) if saved >= floor else ()
+    if model is not None and model.trusted:
+        saved = model.saving("straggler", group) or 0.0
+    else:
+        saved = _wait_for(wait_for_group(matched, group), group)
+    return group if saved >= floor else ()
+
+
+def _wait_for(matched: Matched, group: tuple[int, ...]) -> float:
+    """Median over the other ranks of their mean per-step wait for the group (tail_wait, ms)."""
+    pr = matched.per_rank
+    rest = pr[~pr["rank"].isin(group)]
+    if rest.empty:
+        return 0.0
+    per_step = rest.groupby(["rank", "step"])["tail_wait"].sum().groupby(level="rank").mean()
+    return float(per_step.median()) / 1000
 
 
 def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thresholds = DEFAULT) -> Context:

@@ -123,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-getitem-ms", type=float)
     p.add_argument("--slow-getitem-rank", type=int)
     p.add_argument("--straggler-rank", type=int)
+    p.add_argument("--straggler-ranks", default="", metavar="R,R,...",
+                   help="these ranks sleep --straggler-ms together each step too (a slow host's ranks)")
     p.add_argument("--straggler-ms", type=float)
     p.add_argument("--bucket-cap-mb", type=float)
     p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (no_sync() on all but the last)")
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
                 loss = loss_fn(out.float(), y) / args.grad_accum
                 if args.device_ms:
                     time.sleep(args.device_ms / 1000.0)
-                if rank == args.straggler_rank:
+                if rank == args.straggler_rank or str(rank) in args.straggler_ranks.split(","):
                     time.sleep(args.straggler_ms / 1000.0)  # a slow host, a noisy neighbour
                 loss.backward()
         if ran_out:

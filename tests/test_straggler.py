@@ -364,6 +364,21 @@ def test_a_slow_host_s_ranks_late_together_are_named_together(tmp_path_factory):
     assert max(s.exposed_comm_ms for s in punctual) < 20
 
 
+def test_without_a_faithful_replay_the_late_group_is_confirmed_by_the_others_wait(tmp_path_factory):
+    """8 processes on 2 cores: the unedited replay can miss a step by more than 5%, and the group
+    must not vanish with it (an 8-rank job with 3 sleepers once read "no significant cause")."""
+    from diagnose.analyzers import reduce_rank
+    from diagnose.context import late_peers
+    from diagnose.ingest.assemble import load_run
+    from diagnose.step.collectives import match_collectives
+    from diagnose.thresholds import DEFAULT
+    from tests.conftest import built_once
+
+    run = load_run([built_once(tmp_path_factory, "host8of32", lambda o: _spread_straggler(o, 32, set(range(8, 16))))],
+                   reduce=reduce_rank)
+    assert sorted(late_peers(run, match_collectives(run), None, DEFAULT)) == list(range(8, 16))
+
+
 def test_past_the_per_rank_replays_a_late_rank_is_still_sized_by_the_replay(tmp_path_factory):
     from diagnose.analyzers.straggler import MAX_EFFECT_RANKS
     from tests.conftest import built_once

@@ -439,7 +439,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     # the named ranks as ordered (largest effect first) while few; as ranges when many or late together
     names = ", ".join(map(str, named)) if len(named) <= MAX_NAMED_IN_ORDER and not group else rank_ranges(named)
     who = f"rank {names} is" if len(named) == 1 else f"ranks {names} are"
-    size = (m.saving(ID, tuple(named)) or 0.0) if (effect is not None or group) and m is not None else None
+    size = ((m.saving(ID, tuple(named)) or 0.0) if (effect is not None or group) and m is not None and m.trusted
+            else None)
     together = f" (late together: {_one_host(ctx, named)})" if group and len(group) > 1 else ""
     reason = (f"{who} last to arrive at {consistent:.0%} of {n} collectives{together}; "
               f"the others wait {ms:.1f} ms per step for {'it' if len(named) == 1 else 'them'}")
