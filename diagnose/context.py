@@ -12,7 +12,7 @@ from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.model import EventRef, StepBreakdown
 from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import compute_breakdown
-from diagnose.step.collectives import Matched, late_group, match_collectives, wait_for_group
+from diagnose.step.collectives import Matched, group_wait_ms, late_group, match_collectives, wait_for_group
 from diagnose.step.graph import build_graph
 from diagnose.step.intervals import covered
 from diagnose.thresholds import DEFAULT, Thresholds
@@ -128,18 +128,8 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None, th: Threshol
     if model is not None and model.trusted:
         saved = model.saving("straggler", group) or 0.0
     else:
-        saved = _wait_for(wait_for_group(matched, group), group)
+        saved = group_wait_ms(matched, group)
     return group if saved >= floor else ()
-
-
-def _wait_for(matched: Matched, group: tuple[int, ...]) -> float:
-    """Median over the other ranks of their mean per-step wait for the group (tail_wait, ms)."""
-    pr = matched.per_rank
-    rest = pr[~pr["rank"].isin(group)]
-    if rest.empty:
-        return 0.0
-    per_step = rest.groupby(["rank", "step"])["tail_wait"].sum().groupby(level="rank").mean()
-    return float(per_step.median()) / 1000
 
 
 def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thresholds = DEFAULT) -> Context:

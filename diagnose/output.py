@@ -16,7 +16,7 @@ from diagnose import __version__
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.model import Diagnosis
 from diagnose.probes.safefs import write_atomic  # the one safe writer, shared with the probes
-from diagnose.units import human, rank_ranges
+from diagnose.units import human, on_ranks
 
 
 def _clean(x):
@@ -54,13 +54,6 @@ def _reason(d: Diagnosis, check_id: str) -> str:
     return next((c.reason for c in d.checks if c.id == check_id), "")
 
 
-def _on(ranks: tuple[int, ...], found: tuple[int, ...]) -> str:
-    """Where a finding holds, short at any rank count: "all 256 ranks", "both ranks", "rank 3", "ranks 0, 2-8"."""
-    if len(found) > 1 and set(ranks) == set(found):
-        return "both ranks" if len(found) == 2 else f"all {len(found)} ranks"
-    return ("rank " if len(ranks) == 1 else "ranks ") + rank_ranges(ranks)
-
-
 def _verdict(d: Diagnosis) -> str:
     f = d.top
     if f is None:
@@ -68,7 +61,7 @@ def _verdict(d: Diagnosis) -> str:
     if f.kind == "capacity":
         return f"{f.title}: {_reason(d, f.id)}"
     return (f"{f.title}: {f.recoverable_ms:.1f} ms per step ({f.share_of_step:.0%}) recoverable"
-            f" on {_on(f.ranks, d.run.ranks_found)}")
+            f" on {on_ranks(f.ranks, d.run.ranks_found)}")
 
 
 def write_json(d: Diagnosis, out_dir: Path) -> Path:
@@ -92,7 +85,7 @@ def terminal_summary(d: Diagnosis) -> str:
             lines.append(f"  {_reason(d, f.id)} (capacity: no step time lost), confidence {f.confidence}")
         else:
             lines.append(f"  {f.recoverable_ms:.1f} ms per step recoverable ({f.share_of_step:.0%} of the step), "
-                         f"{_on(f.ranks, r.ranks_found)}, confidence {f.confidence}")
+                         f"{on_ranks(f.ranks, r.ranks_found)}, confidence {f.confidence}")
         lines.append(f"  fix: {f.fix}")
     found = len(r.ranks_found)
     ws = r.world_size or found
@@ -110,7 +103,7 @@ def terminal_summary(d: Diagnosis) -> str:
         lines.append("ranked causes:")
         for i, x in enumerate(d.findings, 1):
             lines.append(f"  {i}. {x.id:<24} {x.recoverable_ms:9.2f} ms/step {x.share_of_step:6.1%}  "
-                         f"{_on(x.ranks, r.ranks_found)}  [{x.severity}, {x.confidence} confidence]")
+                         f"{on_ranks(x.ranks, r.ranks_found)}  [{x.severity}, {x.confidence} confidence]")
     lines.append("")
     lines.append("checklist:")
     for c in d.checks:

@@ -41,3 +41,12 @@ def rank_ranges(ranks: Iterable[int], *, dash: str = "-", limit: int = MAX_RANGE
         parts = parts[:limit - 1] + ["...", parts[-1]]
         return ", ".join(parts) + f" ({len(rs)} ranks)"
     return ", ".join(parts)
+
+
+def on_ranks(ranks: Iterable[int], found: Iterable[int], *, dash: str = "-") -> str:
+    """Where a finding holds, short at any rank count: "all 256 ranks", "both ranks", "rank 3",
+    "ranks 0, 2-8" (found: the ranks the run has)."""
+    rs, every = set(ranks), set(found)
+    if len(every) > 1 and rs == every:
+        return "both ranks" if len(every) == 2 else f"all {len(every)} ranks"
+    return ("rank " if len(rs) == 1 else "ranks ") + rank_ranges(rs, dash=dash)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from diagnose.units import human  # sizes in powers of 1000, as the GB/s beside them and the terminal
+from diagnose.units import human, on_ranks  # sizes in powers of 1000, as the GB/s beside them and the terminal
 
 from . import charts
 from .charts import num
@@ -23,13 +23,20 @@ from .labels import _RANK, metric_label, metric_value
 
 # -------------------------------------------------------------- sections ---
 
+def _where(finding: dict, d: dict) -> str:
+    """The finding's ranks as the terminal says them ("all 8 ranks", "ranks 0, 2–8"), escaped."""
+    def ints(xs) -> list[int]:
+        return [int(r) for r in _list(xs) if isinstance(r, int) or str(r).lstrip("-").isdigit()]
+    return esc(on_ranks(ints(finding.get("ranks")), ints(_dict(d.get("run")).get("ranks_found")), dash="–"))
+
+
 def _headline(d: dict) -> str:
     findings = _list(d.get("findings"))
     top = _dict(findings[0]) if findings else {}
     if top:
         return (f'<p class="headline"><span class="kicker">Top cause</span> <strong>{esc(top.get("title"))}</strong>: '
                 f'about {fmt_ms(top.get("recoverable_ms"), 1)} per step recoverable '
-                f'({fmt_share(top.get("share_of_step"))} of the step), on rank(s) {fmt_ranks(top.get("ranks"))}.</p>')
+                f'({fmt_share(top.get("share_of_step"))} of the step), on {_where(top, d)}.</p>')
     checks = _list(d.get("checks"))
     counts = {s: sum(1 for c in checks if _dict(c).get("status") == s) for s in STATUS_LABEL}
     return (f'<p class="headline"><strong>No significant cause found.</strong> '

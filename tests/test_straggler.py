@@ -404,3 +404,22 @@ def test_a_late_group_needs_a_gap_beyond_the_threshold_and_fewer_than_half_the_r
     half = pd.Series([0.0] * 8 + [30.0] * 8)  # half the ranks late: the others are the outliers, not a group
     assert late_group(half, gap) == []
     assert late_group(pd.Series([0.0, 50.0]), gap) == []  # two ranks: the single-rank path decides
+
+
+def test_a_second_late_rank_behind_the_first_is_named_with_it(tmp_path):
+    """Rank 3 computes 6 ms longer, rank 6 3 ms longer. Bringing rank 3 to the median gives back
+    3 ms (rank 6 then comes last) and rank 6 alone nothing: the per-rank effects named rank 3 at
+    half the cost. The next-latest rank joins while it adds the threshold's share of the step."""
+    write_ranks(tmp_path, [{3: 6_000.0, 6: 3_000.0}] * 6, n=8)
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.status == "flagged" and c.finding.ranks == (3, 6)
+    assert c.finding.recoverable_ms == pytest.approx(6.0, abs=0.1)
+    assert c.finding.metrics["rank3_effect_ms"] == pytest.approx(3.0, abs=0.1)
+    assert "bringing rank 3 to the median rank alone gives back 3.0 ms per step: rank 6 then comes last" in c.reason
+    assert "the others wait 6.0 ms per step for them" in c.reason
+
+
+def test_one_late_rank_is_not_joined_by_the_next_latest(tmp_path):
+    write_ranks(tmp_path, [{3: 6_000.0}] * 6, n=8)
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.finding.ranks == (3,) and "then comes last" not in c.reason

@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from diagnose.output import _on, _verdict, terminal_summary
-from diagnose.units import MAX_RANGES, rank_ranges
+from diagnose.output import _verdict, terminal_summary
+from diagnose.units import MAX_RANGES, on_ranks, rank_ranges
 from reports.common import fmt_ranks
 from tests.conftest import shared_diagnosis
 
@@ -37,11 +37,11 @@ def test_the_report_uses_the_same_ranges_with_an_en_dash():
 
 
 def test_a_finding_on_every_rank_says_so():
-    assert _on((0, 1, 2), (0, 1, 2)) == "all 3 ranks"
-    assert _on((0, 1), (0, 1)) == "both ranks"
-    assert _on((1,), (0, 1)) == "rank 1"
-    assert _on((0,), (0,)) == "rank 0"
-    assert _on((0, 2, 3, 4), tuple(range(8))) == "ranks 0, 2-4"
+    assert on_ranks((0, 1, 2), (0, 1, 2)) == "all 3 ranks"
+    assert on_ranks((0, 1), (0, 1)) == "both ranks"
+    assert on_ranks((1,), (0, 1)) == "rank 1"
+    assert on_ranks((0,), (0,)) == "rank 0"
+    assert on_ranks((0, 2, 3, 4), tuple(range(8))) == "ranks 0, 2-4"
 
 
 def test_a_thousand_ranks_keep_the_verdict_and_the_ranked_causes_one_short_line_each():
@@ -57,3 +57,13 @@ def test_a_thousand_ranks_keep_the_verdict_and_the_ranked_causes_one_short_line_
     assert max(len(line) for line in head.splitlines()) < 260, head
     assert "all 1024 ranks" in head and "(896 ranks)" in head
     assert _verdict(big).endswith("recoverable on all 1024 ranks")
+
+
+def test_the_report_s_headline_says_where_as_the_terminal_does():
+    from reports.html import _headline
+
+    d = {"findings": [{"title": "T", "recoverable_ms": 5.0, "share_of_step": 0.1, "ranks": [0, 1, 2, 3]}],
+         "run": {"ranks_found": [0, 1, 2, 3]}}
+    assert "on all 4 ranks." in _headline(d)
+    d["run"]["ranks_found"] = list(range(8))
+    assert "on ranks 0–3." in _headline(d)

@@ -50,6 +50,7 @@ from diagnose.context import Context
 from diagnose.ingest.load import KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.probedata import every_step_lateness
+from diagnose.step.collectives import group_wait_ms
 from diagnose.step.timeline import RankTimeline
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
@@ -330,6 +331,35 @@ def effects(ctx: Context) -> dict[int, float] | None:
     return {r: m.saving(ID, (r,)) or 0.0 for r in ctx.run.ranks}
 
 
+MAX_NEXT = 8
+"""Ranks added after the named ones at most, each by one replay (_next_latest)."""
+
+
+def _next_latest(named: list[int], lateness_ms: pd.Series, m, th: Thresholds,
+                 step_ms: float) -> tuple[list[int], list[tuple[int, float]]]:
+    """The named ranks, then each next-latest rank while adding it gives back the threshold's share
+    of the step more (one replay each): with rank A 6 ms late and rank B 3 ms late, bringing A to the
+    median gives back 3 ms, B then comes last, and B alone gives back nothing, so the per-rank
+    effects name A at half the cost. Returns the ranks and, per added rank, what the set gave back
+    before it."""
+    out, added = list(named), []
+    limit = (len(lateness_ms) - 1) // 2
+    floor = max(th.healthy_floor_ms, th.straggler * step_ms)
+    before = m.saving(ID, tuple(out)) or 0.0
+    for r in lateness_ms.sort_values(ascending=False, kind="stable").index:
+        if len(out) >= limit or len(added) >= MAX_NEXT:
+            break
+        if int(r) in out:
+            continue
+        with_it = m.saving(ID, tuple(out) + (int(r),)) or 0.0
+        if with_it - before < floor or with_it <= before:
+            break
+        added.append((int(r), before))
+        out.append(int(r))
+        before = with_it
+    return out, added
+
+
 def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) -> LateRank | None:
     """The ranks named (by_effect, else the rank most often last at the matched collectives) and
     the chance tests on them (None: nothing to match)."""
@@ -390,18 +420,25 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         by_effect = big[:max(1, (len(effect) - 1) // 2)] or None
     m = ctx.model
     found = list(ctx.late_together)  # ranks late together (a slow host), confirmed by one replay
+    then: list[tuple[int, float]] = []
     if by_effect is None and found and (effect is None or len(found) > 1):
         # past MAX_EFFECT_RANKS a single late rank comes this way too
         by_effect, group = found, found
+    elif by_effect and effect is not None and m is not None:
+        by_effect, then = _next_latest(by_effect, lateness_ms, m, th, step_ms)
     late = late_rank(ctx, th, by_effect)
     if late is None:
         return [not_measurable(ID, TITLE, "no collectives could be matched across ranks")]
     n, named, consistent = len(pc), list(late.named), late.consistent
-    # what the others wait for the last rank alone, or for the ranks late together (the breakdown's
-    # split: context.late_peers)
-    wait = ctx.per_rank_mean("straggler_wait_ms")
-    others = wait.drop(index=named, errors="ignore")
-    ms = float(np.median(others.to_numpy())) if len(others) else 0.0
+    if set(named) != set(ctx.late_together) and (len(named) > 1 or len(ctx.late_together) > 1):
+        # not the breakdown's split (which is by the ranks late together): what the others wait for these
+        ms = group_wait_ms(ctx.matched, tuple(named))
+    else:
+        # what the others wait for the last rank alone, or for the ranks late together (the
+        # breakdown's split: context.late_peers)
+        wait = ctx.per_rank_mean("straggler_wait_ms")
+        others = wait.drop(index=named, errors="ignore")
+        ms = float(np.median(others.to_numpy())) if len(others) else 0.0
     share = ms / ctx.mean_step_ms
     mismatched = int((~pc["names_agree"].astype(bool)).sum())
     metrics: dict[str, float | int | str] = {
@@ -442,13 +479,16 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     size = ((m.saving(ID, tuple(named)) or 0.0) if (effect is not None or group) and m is not None and m.trusted
             else None)
     together = f" (late together: {_one_host(ctx, named)})" if group and len(group) > 1 else ""
+    for r, before in then:  # why more than the per-rank effects named
+        together += (f"; bringing {'rank ' + str(named[0]) if named.index(r) == 1 else 'the ranks before it'} "
+                     f"to the median rank alone gives back {before:.1f} ms per step: rank {r} then comes last")
     reason = (f"{who} last to arrive at {consistent:.0%} of {n} collectives{together}; "
               f"the others wait {ms:.1f} ms per step for {'it' if len(named) == 1 else 'them'}")
     if size is not None:
         reason += (f", and bringing {'it' if len(named) == 1 else 'them'} to the median rank gives back {size:.1f} "
                    "ms per step (replayed)")
-    if len(named) == 1 or group:
-        # a group: explained by its latest rank (named[0]) against the median other rank
+    if len(named) == 1 or group or then:
+        # several: explained by the latest (named[0]) against the median other rank
         w = why_late(ctx, named[0])
         subject = "it is" if len(named) == 1 else f"rank {named[0]}, the latest of them, is"
         if w.source and w.key:
@@ -470,9 +510,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=tuple(named), metrics=metrics, events=refs, fix=FIX, confidence=confidence_for(ctx, base),
-        method=("Median over the other ranks of per-step time spent waiting, at each collective, for ranks "
-                f"{rank_ranges(ctx.late_together)}, late together (after the last of the others arrived)."
-                if len(ctx.late_together) > 1 else
+        method=("Median over the other ranks of per-step time spent waiting, at each collective, for the "
+                "named ranks (after the last of the others arrived)." if len(named) > 1 else
                 "Median over the other ranks of per-step time spent waiting, at each collective, for the "
                 "last rank alone (after the second-latest arrived)."))
     if not late.beyond_chance(th):

@@ -104,3 +104,14 @@ def wait_for_group(matched: Matched, group: tuple[int, ...]) -> Matched:
     alone = np.clip(leave - np.maximum(pr["arrival"], rest_latest.fillna(pr["second"])), 0, None)
     return Matched(pr.assign(tail_wait=pr["tail_wait"].where(~rest, alone)), matched.per_collective,
                    matched.match_ratio)
+
+
+def group_wait_ms(matched: Matched, group: tuple[int, ...]) -> float:
+    """Median over the other ranks of their mean per-step wait for `group` alone (ms): the time in
+    each collective from the latest arrival among them (or their own) until they leave."""
+    pr = wait_for_group(matched, group).per_rank
+    rest = pr[~pr["rank"].isin(group)]
+    if rest.empty:
+        return 0.0
+    per_step = rest.groupby(["rank", "step"])["tail_wait"].sum().groupby(level="rank").mean()
+    return float(per_step.median()) / 1000
