@@ -145,7 +145,7 @@ EQUIVALENT = {
     "diagnose.analyzers.common.x__clipped_to_step__mutmut_29": (
         "end = hi[np.clip(k, 0, None)]", "an op before the first step (k = -1) is outside whatever end it reads: "
         "`inside` also asks k >= 0"),
-    "diagnose.analyzers.straggler.x_why_late__mutmut_72": (
+    "diagnose.analyzers.why_late.x_why_late__mutmut_72": (
         'ops = ""', "its one caller reads the ops only as `if ops:`, where None and \"\" are both false"),
     "diagnose.analyzers.reduce_dtype.x_reduce__mutmut_65": (
         "e[1] += 0.0 if np.isnan(b) else float(b)", "an unrecorded size read as 1 byte, not 0: all sizes "
@@ -170,7 +170,7 @@ EQUIVALENT = {
     "diagnose.analyzers.straggler.x_analyze__mutmut_176": (
         'metrics.get("every_step_collectives", 0)', "the key is set whenever every_agree is, which the test "
         "before it requires: the default is never read"),
-    "diagnose.analyzers.straggler.x_reduce__mutmut_47": (
+    "diagnose.analyzers.why_late.x_reduce__mutmut_47": (
         "RankOps(ops=())", "None or (): both readers (the op diff, the top-ops table) test its truth first"),
     "diagnose.analyzers.checkpoint.x_analyze__mutmut_17": (
         "default=0", "reached only when ctx.probes is not empty: max() never sees an empty sequence"),
@@ -180,7 +180,7 @@ EQUIVALENT = {
     "diagnose.analyzers.host_sync.x__innermost_ops__mutmut_13": (
         'groupby("tid", observed=True)', "a thread id without ops gets an empty group: its calls read None "
         "either way"),
-    "diagnose.analyzers.straggler.x__betacf__mutmut_80": (
+    "diagnose.analyzers.chance.x__betacf__mutmut_80": (
         "abs(d * c - 1.0)", "a stop test that never holds runs the converged fraction to its 300 iterations: "
         "t_sf moves by under 1e-14 (compared with the unmutated code over df 1-1000, t -3 to 20)"),
     "diagnose.analyzers.reduce_dtype.x_mismatch__mutmut_196": (

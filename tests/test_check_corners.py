@@ -403,7 +403,7 @@ def test_a_rank_without_an_idle_split_is_left_out_of_the_late_ranks_comparison()
     that have one (counting the unknown as zero idle would make rank 7's excess look larger)."""
     import statistics
 
-    from diagnose.analyzers import straggler
+    from diagnose.analyzers import why_late
     from diagnose.ingest.assemble import ReduceFailed
 
     run = shared_run("param_dlrm_8rank_v100")
@@ -413,24 +413,24 @@ def test_a_rank_without_an_idle_split_is_left_out_of_the_late_ranks_comparison()
     launch = {r: statistics.fmean(d["launch"] for d in t[t["rank"] == r]["other_by_cause_ms"])
               for r in run.ranks if r not in (1, 2, 3)}
     want = launch[7] - statistics.median(v for r, v in launch.items() if r != 7)
-    w = straggler.why_late(ctx, 7)
+    w = why_late.why_late(ctx, 7)
     assert w.source == "host gaps or device idle"
     assert w.detail == f", mostly the device waiting for host launches (+{want:.1f} ms)"
 
 
 def test_an_op_the_late_rank_spends_exactly_the_floor_more_in_is_named():
     """The op diff names ops from MIN_OP_EXCESS_MS more per step (the healthy floor) up."""
-    from diagnose.analyzers import straggler
+    from diagnose.analyzers import why_late
 
     run = fixture_run(FIXTURES / "cpu_straggler_2rank")
     base = run.facts[0]["straggler"].ops
-    floor = straggler.MIN_OP_EXCESS_MS
-    same = _with_facts(run, "straggler", lambda r, f: straggler.RankOps.of(
+    floor = why_late.MIN_OP_EXCESS_MS
+    same = _with_facts(run, "straggler", lambda r, f: why_late.RankOps.of(
         base + ((("aten::tiny_op", floor, 1),) if r == 1 else ())))
-    assert straggler.why_late(build_context(same, {}), 1).ops == f"aten::tiny_op +{floor:.2f} ms/step (+1 calls)"
-    below = _with_facts(run, "straggler", lambda r, f: straggler.RankOps.of(
+    assert why_late.why_late(build_context(same, {}), 1).ops == f"aten::tiny_op +{floor:.2f} ms/step (+1 calls)"
+    below = _with_facts(run, "straggler", lambda r, f: why_late.RankOps.of(
         base + ((("aten::tiny_op", float(np.nextafter(floor, 0.0)), 1),) if r == 1 else ())))
-    assert straggler.why_late(build_context(below, {}), 1).ops == ""
+    assert why_late.why_late(build_context(below, {}), 1).ops == ""
 
 
 def test_without_a_step_model_the_straggler_is_decided_by_its_wait():

@@ -6,7 +6,7 @@ import math
 import orjson
 import pytest
 
-from diagnose.analyzers.straggler import binom_sf, t_sf
+from diagnose.analyzers.chance import binom_sf, t_sf
 from diagnose.pipeline import diagnose_paths
 
 STEP_US, WORK_US, TRANSFER_US = 10_000.0, 3_000.0, 500.0
@@ -146,7 +146,7 @@ def test_t_tail_matches_the_integrated_density(t, df):
 def test_mean_lateness_test_says_nothing_on_too_little_or_no_excess():
     import numpy as np
 
-    from diagnose.analyzers.straggler import mean_positive_p
+    from diagnose.analyzers.chance import mean_positive_p
 
     assert mean_positive_p(np.array([3.0])) == 1.0                 # one difference: no test
     assert mean_positive_p(np.array([-1.0, -2.0, np.nan])) == 1.0  # early on average

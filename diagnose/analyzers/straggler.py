@@ -25,33 +25,34 @@ other check books a wait for a late peer).
 Named and sized by effect, where the step graph's replay reproduces the steps
 (diagnose/whatif.py): each rank's effect is what the replay gives back when that rank's work
 between collectives is brought to the median rank's. The ranks whose effect reaches the
-threshold are named (largest first); the chance tests above guard them against jitter, they do
-not decide alone. With no rank's effect that large, the rank most often last is tested as
-before and its effect decides. The size flagged is the named ranks' effect together.
+threshold are named (largest first), then each next-latest rank while adding it gives back the
+threshold's share more (rank A 6 ms late, rank B 3 ms: A's own effect is 3 ms, B's nothing, both
+together 6). With no rank's effect that large, the ranks late together that the context found
+(context.late_peers: a slow host's ranks, each of whose own effect is nothing while its peers are
+as late; past MAX_EFFECT_RANKS also a single late rank) are named; else the rank most often last
+is tested as before. The chance tests guard the named ranks against jitter, they do not decide
+alone. The size flagged is the named ranks' effect together.
 The check's own estimate, kept as the metric `wait_imposed_ms_per_step` (and the finding's
 figure where there is no faithful replay): the median, over the other ranks, of the per-step
-time they spend waiting for the last rank alone (after the second-latest arrived).
+time they spend waiting for the last rank alone (after the second-latest arrived), or for all
+the named ranks when several are named.
 
-Why the rank is late: its step breakdown against the median of the others (compute, the
-DataLoader, host gaps or device idle, its own communication: the largest excess is named),
-and its ops (CPU: self time per op name; GPU: kernels per name) against the median rank's
-over the same steps: "aten::mm +111.0 ms/step (+8 calls)".
+Why the rank is late (its breakdown and its ops against the median rank's): why_late.py.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 
-from diagnose.analyzers.common import confidence_for, flag_or_pass, host_self_times, not_measurable
+from diagnose.analyzers.chance import binom_sf, mean_positive_p
+from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.analyzers.why_late import reduce, why_late  # noqa: F401 - reduce: the checklist entry's
 from diagnose.context import Context
-from diagnose.ingest.load import KIND_KERNEL, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.probedata import every_step_lateness
 from diagnose.step.collectives import group_wait_ms
-from diagnose.step.timeline import RankTimeline
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -61,109 +62,6 @@ FIX = ("Find what makes the named rank(s) late: compare their step breakdown wit
        "(extra compute, DataLoader, host contention, thermal throttling, a slower node or NIC); "
        "balance the work per rank (uneven batches, sequence lengths, embedding shards); "
        "move the job off a noisy host.")
-
-
-TOP_OPS = 200  # per rank: enough to diff any op that matters, small enough to ship from a worker
-SOURCES = {"compute_ms": "compute", "dataloader_ms": "the DataLoader", "other_ms": "host gaps or device idle",
-           "exposed_comm_ms": "its own communication"}
-CPU_OTHER = "host gaps"
-"""A CPU rank's "other" time: outside any profiled op (it has no device to idle)."""
-OPS_EXPLAIN = 0.25
-"""The op diff is given as the reason a rank is late when its ops' excess is at least this share of
-the rank's excess (or the rank is late from compute); below, the reason says the time is elsewhere."""
-IDLE_SOURCES = {"launch": "the device waiting for host launches", "sync": "host sync drains",
-                "queued": "work queued behind other streams", "input": "blocking input copies",
-                "unattributed": "unattributed device idle", "latency": "scheduling latency"}
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class RankOps:
-    """One rank's work by op name over its profiled steps: each name's ms and calls per step, as
-    arrays (#20: as a tuple of (name, ms, calls) tuples it was ~20 KB of the client's memory per
-    rank, as arrays ~5 KB)."""
-
-    names: tuple[str, ...] = ()
-    ms: np.ndarray = field(default_factory=lambda: np.empty(0))
-    calls: np.ndarray = field(default_factory=lambda: np.empty(0))
-    rows: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, ops) -> RankOps:
-        """From (name, ms per step, calls per step) triples."""
-        ops = list(ops)
-        return cls(names=tuple(n for n, _, _ in ops), ms=np.array([m for _, m, _ in ops], dtype=float),
-                   calls=np.array([k for _, _, k in ops], dtype=float))
-
-    def __eq__(self, other: object) -> bool:  # arrays: compared by value, not by numpy's elementwise ==
-        return (isinstance(other, RankOps) and self.names == other.names and self.rows == other.rows
-                and np.array_equal(self.ms, other.ms) and np.array_equal(self.calls, other.calls))
-
-    __hash__ = None  # mutable arrays inside: not a dict key
-
-    @property
-    def ops(self) -> tuple[tuple[str, float, float], ...]:
-        return tuple(zip(self.names, self.ms.tolist(), self.calls.tolist()))
-
-    def shared(self, texts: dict[str, str]) -> RankOps:
-        """The same, its op names kept once across ranks (`texts`: the client's pool, ingest.assemble.Repeats).
-        Ranks run the same kernels, whose C++ names reach 2 KB: each rank's own copies were 42 KB
-        of the client's memory per rank."""
-        return RankOps(names=tuple(texts.setdefault(n, n) for n in self.names), ms=self.ms, calls=self.calls,
-                       rows=self.rows)
-
-
-def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
-    ev = trace.events
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-    if tl.is_gpu:
-        ops = ev[(ev["kind"] == KIND_KERNEL).to_numpy()]
-        ops = ops.assign(self_us=ops["dur"].to_numpy(dtype=float))
-    else:
-        ops = host_self_times(ev, tl)
-    k = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
-    ops = ops[(k >= 0) & (ops["ts"].to_numpy() < hi[np.clip(k, 0, None)])]
-    if ops.empty:
-        return RankOps()
-    g = ops.groupby(ops["name"].astype(str))["self_us"].agg(["sum", "size"]).nlargest(TOP_OPS, "sum")
-    n = max(len(lo), 1)
-    return RankOps(names=tuple(str(name) for name in g.index), ms=g["sum"].to_numpy(dtype=float) / 1000 / n,
-                   calls=g["size"].to_numpy(dtype=float) / n)
-
-
-MAX_NAMED_IN_ORDER = 8
-"""Named ranks listed one by one, largest effect first, up to this many; beyond, as ranges."""
-MIN_OP_EXCESS_MS = 0.05  # the healthy floor: below it an op's excess is timer noise
-
-
-def _short(name: str) -> str:
-    """A kernel's or op's name without its template arguments and signature, for one line."""
-    n = name.removeprefix("void ").split("(")[0].split("<")[0].strip() or name
-    return n[:80]
-
-
-@dataclass(frozen=True, slots=True)
-class WhyLate:
-    """Why one rank is late, against the median other rank over the same steps."""
-
-    source: str | None
-    """The breakdown component it has most more of ("compute", "host gaps", ...); None: none more."""
-    key: str | None
-    """That component's column (a SOURCES key)."""
-    excess: dict[str, float]
-    """Its excess per breakdown component, ms per step."""
-    ops: str
-    """The ops (GPU: kernels) it spends more time in, from MIN_OP_EXCESS_MS per step up, largest first."""
-    ops_ms: float
-    """Its ops' excess in all (every op's positive difference), ms per step."""
-    detail: str
-    """GPU ranks late from device idle: the idle class it has most more of, as ", mostly ..."."""
-
-    @property
-    def ops_explain(self) -> bool:
-        """Whether the op diff accounts for the lateness, rather than a time outside the ops."""
-        if not self.ops or self.key is None:
-            return False
-        return self.key == "compute_ms" or self.ops_ms >= OPS_EXPLAIN * self.excess[self.key]
 
 
 def _one_host(ctx: Context, ranks: list[int]) -> str:
@@ -177,95 +75,8 @@ def _one_host(ctx: Context, ranks: list[int]) -> str:
     return f"{len(ranks)} ranks"
 
 
-def why_late(ctx: Context, rank: int) -> WhyLate:
-    means = ctx.table.groupby("rank")[list(SOURCES)].mean()
-    if rank not in means.index or len(means) < 2:
-        return WhyLate(None, None, {}, "", 0.0, "")
-    excess = (means.loc[rank] - means.drop(index=rank).median()).to_dict()
-    top = max(excess, key=excess.get)
-    source = (CPU_OTHER if top == "other_ms" and not ctx.run.is_gpu else SOURCES[top]) if excess[top] > 0 else None
-    detail = ""
-    if top == "other_ms" and source and "other_by_cause_ms" in ctx.table:
-        # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes).
-        # A rank whose idle model could not be built has no split: left out, not read as zero idle
-        by = pd.DataFrame(list(ctx.table["other_by_cause_ms"]), index=ctx.table["rank"]).dropna(how="all")
-        if not by.empty and rank in by.index and by.index.nunique() >= 2:
-            m = by.groupby(level=0).mean()
-            cls = (m.loc[rank] - m.drop(index=rank).median()).sort_values(ascending=False)
-            if len(cls) and cls.iloc[0] > 0 and cls.index[0] in IDLE_SOURCES:
-                detail = f", mostly {IDLE_SOURCES[cls.index[0]]} (+{cls.iloc[0]:.1f} ms)"
-    ops, ops_ms = "", 0.0
-    try:
-        facts = ctx.facts(ID)
-    except RuntimeError:
-        facts = {}
-    if rank in facts and len(facts) >= 2 and any(f.names for f in facts.values()):
-        frame = pd.DataFrame({"rank": np.concatenate([np.full(len(f.names), r) for r, f in facts.items()]),
-                              "name": [n for f in facts.values() for n in f.names],
-                              "ms": np.concatenate([f.ms for f in facts.values()]),
-                              "calls": np.concatenate([f.calls for f in facts.values()])})
-        # every rank a column (one without ops reads as zeros), so the late rank always has one
-        table = frame.pivot_table(index="name", columns="rank", values=["ms", "calls"], fill_value=0.0)
-        table = table.reindex(columns=pd.MultiIndex.from_product([["ms", "calls"], sorted(facts)]), fill_value=0.0)
-        others = [r for r in facts if r != rank]
-        d_ms = table["ms"][rank] - table["ms"][others].median(axis=1)
-        d_calls = table["calls"][rank] - table["calls"][others].median(axis=1)
-        top_ops = d_ms[d_ms >= MIN_OP_EXCESS_MS].nlargest(3)
-        ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
-                                                             else "") for n, v in top_ops.items())
-        ops_ms = float(d_ms[d_ms > 0].sum())
-    return WhyLate(source, top if source else None, {k: round(float(v), 3) for k, v in excess.items()}, ops,
-                   round(ops_ms, 3), detail)
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularised incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-14:
-            break
-    return h
-
-
-def _betai(a: float, b: float, x: float) -> float:
-    """Regularised incomplete beta I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    lbt = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(lbt) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(lbt) * _betacf(b, a, 1.0 - x) / b
-
-
-def t_sf(t: float, df: int) -> float:
-    """P(T >= t) for Student's t with df degrees of freedom."""
-    tail = 0.5 * _betai(df / 2.0, 0.5, df / (df + t * t))
-    return tail if t >= 0 else 1.0 - tail
-
-
-def mean_positive_p(d: np.ndarray) -> float:
-    """One-sided p-value that the mean of d is > 0 (one-sample t-test); 1.0 when it cannot say."""
-    d = d[np.isfinite(d)]
-    if len(d) < 2 or d.mean() <= 0:
-        return 1.0
-    sd = float(d.std(ddof=1))
-    if sd == 0.0:
-        return 0.0  # every difference equal and positive
-    return t_sf(float(d.mean()) / (sd / math.sqrt(len(d))), len(d) - 1)
-
-
+MAX_NAMED_IN_ORDER = 8
+"""Named ranks listed one by one, largest effect first, up to this many; beyond, as ranges."""
 def _excess(arrivals: pd.DataFrame, key: list[str], rank: int, per_step: bool = False) -> np.ndarray:
     """Per collective (per_step: summed over each step's): the rank's arrival minus the latest other
     rank's (> 0 when it came last)."""
@@ -276,22 +87,6 @@ def _excess(arrivals: pd.DataFrame, key: list[str], rank: int, per_step: bool = 
     if per_step:
         d = d.groupby(level="step").sum()
     return d.to_numpy(dtype=float)
-
-
-def binom_sf(k: int, n: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p): how likely a rank is last k or more times of n by chance."""
-    if k <= 0:
-        return 1.0
-    if k > n:
-        return 0.0
-    if p <= 0.0 or p >= 1.0:
-        return 0.0 if p <= 0.0 else 1.0
-    lp, lq = math.log(p), math.log1p(-p)
-    # log-space terms: exact for the thousands of collectives a long profile holds
-    logs = [math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * lp + (n - j) * lq
-            for j in range(k, n + 1)]
-    top = max(logs)
-    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,11 +273,12 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     who = f"rank {names} is" if len(named) == 1 else f"ranks {names} are"
     size = ((m.saving(ID, tuple(named)) or 0.0) if (effect is not None or group) and m is not None and m.trusted
             else None)
-    together = f" (late together: {_one_host(ctx, named)})" if group and len(group) > 1 else ""
+    note = f" (late together: {_one_host(ctx, named)})" if group and len(group) > 1 else ""
     for r, before in then:  # why more than the per-rank effects named
-        together += (f"; bringing {'rank ' + str(named[0]) if named.index(r) == 1 else 'the ranks before it'} "
-                     f"to the median rank alone gives back {before:.1f} ms per step: rank {r} then comes last")
-    reason = (f"{who} last to arrive at {consistent:.0%} of {n} collectives{together}; "
+        ahead = named[:named.index(r)]
+        note += (f"; bringing {'rank' if len(ahead) == 1 else 'ranks'} {rank_ranges(ahead)} to the median rank alone "
+                 f"gives back {before:.1f} ms per step: rank {r} then comes last")
+    reason = (f"{who} last to arrive at {consistent:.0%} of {n} collectives{note}; "
               f"the others wait {ms:.1f} ms per step for {'it' if len(named) == 1 else 'them'}")
     if size is not None:
         reason += (f", and bringing {'it' if len(named) == 1 else 'them'} to the median rank gives back {size:.1f} "

@@ -1,0 +1,162 @@
+"""Why a rank is late, for the straggler check's reason and evidence.
+
+Its step breakdown against the median of the other ranks (compute, the DataLoader, host gaps or
+device idle, its own communication: the largest excess is named; on GPU ranks late from device
+idle, the idle class it has most more of), and its ops (CPU: self time per op name; GPU: kernels
+per name) against the median rank's over the same steps: "aten::mm +111.0 ms/step (+8 calls)".
+The op table is each rank's per-rank summary (`reduce`, run next to the trace: RankOps).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from diagnose.analyzers.common import host_self_times
+from diagnose.context import Context
+from diagnose.ingest.load import KIND_KERNEL, RankTrace
+from diagnose.step.timeline import RankTimeline
+
+FACTS = "straggler"
+"""The per-rank summary's name (the straggler check's entry in the checklist)."""
+TOP_OPS = 200  # per rank: enough to diff any op that matters, small enough to ship from a worker
+SOURCES = {"compute_ms": "compute", "dataloader_ms": "the DataLoader", "other_ms": "host gaps or device idle",
+           "exposed_comm_ms": "its own communication"}
+CPU_OTHER = "host gaps"
+"""A CPU rank's "other" time: outside any profiled op (it has no device to idle)."""
+OPS_EXPLAIN = 0.25
+"""The op diff is given as the reason a rank is late when its ops' excess is at least this share of
+the rank's excess (or the rank is late from compute); below, the reason says the time is elsewhere."""
+IDLE_SOURCES = {"launch": "the device waiting for host launches", "sync": "host sync drains",
+                "queued": "work queued behind other streams", "input": "blocking input copies",
+                "unattributed": "unattributed device idle", "latency": "scheduling latency"}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RankOps:
+    """One rank's work by op name over its profiled steps: each name's ms and calls per step, as
+    arrays (#20: as a tuple of (name, ms, calls) tuples it was ~20 KB of the client's memory per
+    rank, as arrays ~5 KB)."""
+
+    names: tuple[str, ...] = ()
+    ms: np.ndarray = field(default_factory=lambda: np.empty(0))
+    calls: np.ndarray = field(default_factory=lambda: np.empty(0))
+    rows: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, ops) -> RankOps:
+        """From (name, ms per step, calls per step) triples."""
+        ops = list(ops)
+        return cls(names=tuple(n for n, _, _ in ops), ms=np.array([m for _, m, _ in ops], dtype=float),
+                   calls=np.array([k for _, _, k in ops], dtype=float))
+
+    def __eq__(self, other: object) -> bool:  # arrays: compared by value, not by numpy's elementwise ==
+        return (isinstance(other, RankOps) and self.names == other.names and self.rows == other.rows
+                and np.array_equal(self.ms, other.ms) and np.array_equal(self.calls, other.calls))
+
+    __hash__ = None  # mutable arrays inside: not a dict key
+
+    @property
+    def ops(self) -> tuple[tuple[str, float, float], ...]:
+        return tuple(zip(self.names, self.ms.tolist(), self.calls.tolist()))
+
+    def shared(self, texts: dict[str, str]) -> RankOps:
+        """The same, its op names kept once across ranks (`texts`: the client's pool, ingest.assemble.Repeats).
+        Ranks run the same kernels, whose C++ names reach 2 KB: each rank's own copies were 42 KB
+        of the client's memory per rank."""
+        return RankOps(names=tuple(texts.setdefault(n, n) for n in self.names), ms=self.ms, calls=self.calls,
+                       rows=self.rows)
+
+
+def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
+    ev = trace.events
+    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    if tl.is_gpu:
+        ops = ev[(ev["kind"] == KIND_KERNEL).to_numpy()]
+        ops = ops.assign(self_us=ops["dur"].to_numpy(dtype=float))
+    else:
+        ops = host_self_times(ev, tl)
+    k = np.searchsorted(lo, ops["ts"].to_numpy(), side="right") - 1
+    ops = ops[(k >= 0) & (ops["ts"].to_numpy() < hi[np.clip(k, 0, None)])]
+    if ops.empty:
+        return RankOps()
+    g = ops.groupby(ops["name"].astype(str))["self_us"].agg(["sum", "size"]).nlargest(TOP_OPS, "sum")
+    n = max(len(lo), 1)
+    return RankOps(names=tuple(str(name) for name in g.index), ms=g["sum"].to_numpy(dtype=float) / 1000 / n,
+                   calls=g["size"].to_numpy(dtype=float) / n)
+
+
+MIN_OP_EXCESS_MS = 0.05  # the healthy floor: below it an op's excess is timer noise
+
+
+def _short(name: str) -> str:
+    """A kernel's or op's name without its template arguments and signature, for one line."""
+    n = name.removeprefix("void ").split("(")[0].split("<")[0].strip() or name
+    return n[:80]
+
+
+@dataclass(frozen=True, slots=True)
+class WhyLate:
+    """Why one rank is late, against the median other rank over the same steps."""
+
+    source: str | None
+    """The breakdown component it has most more of ("compute", "host gaps", ...); None: none more."""
+    key: str | None
+    """That component's column (a SOURCES key)."""
+    excess: dict[str, float]
+    """Its excess per breakdown component, ms per step."""
+    ops: str
+    """The ops (GPU: kernels) it spends more time in, from MIN_OP_EXCESS_MS per step up, largest first."""
+    ops_ms: float
+    """Its ops' excess in all (every op's positive difference), ms per step."""
+    detail: str
+    """GPU ranks late from device idle: the idle class it has most more of, as ", mostly ..."."""
+
+    @property
+    def ops_explain(self) -> bool:
+        """Whether the op diff accounts for the lateness, rather than a time outside the ops."""
+        if not self.ops or self.key is None:
+            return False
+        return self.key == "compute_ms" or self.ops_ms >= OPS_EXPLAIN * self.excess[self.key]
+
+
+def why_late(ctx: Context, rank: int) -> WhyLate:
+    means = ctx.table.groupby("rank")[list(SOURCES)].mean()
+    if rank not in means.index or len(means) < 2:
+        return WhyLate(None, None, {}, "", 0.0, "")
+    excess = (means.loc[rank] - means.drop(index=rank).median()).to_dict()
+    top = max(excess, key=excess.get)
+    source = (CPU_OTHER if top == "other_ms" and not ctx.run.is_gpu else SOURCES[top]) if excess[top] > 0 else None
+    detail = ""
+    if top == "other_ms" and source and "other_by_cause_ms" in ctx.table:
+        # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes).
+        # A rank whose idle model could not be built has no split: left out, not read as zero idle
+        by = pd.DataFrame(list(ctx.table["other_by_cause_ms"]), index=ctx.table["rank"]).dropna(how="all")
+        if not by.empty and rank in by.index and by.index.nunique() >= 2:
+            m = by.groupby(level=0).mean()
+            cls = (m.loc[rank] - m.drop(index=rank).median()).sort_values(ascending=False)
+            if len(cls) and cls.iloc[0] > 0 and cls.index[0] in IDLE_SOURCES:
+                detail = f", mostly {IDLE_SOURCES[cls.index[0]]} (+{cls.iloc[0]:.1f} ms)"
+    ops, ops_ms = "", 0.0
+    try:
+        facts = ctx.facts(FACTS)
+    except RuntimeError:
+        facts = {}
+    if rank in facts and len(facts) >= 2 and any(f.names for f in facts.values()):
+        frame = pd.DataFrame({"rank": np.concatenate([np.full(len(f.names), r) for r, f in facts.items()]),
+                              "name": [n for f in facts.values() for n in f.names],
+                              "ms": np.concatenate([f.ms for f in facts.values()]),
+                              "calls": np.concatenate([f.calls for f in facts.values()])})
+        # every rank a column (one without ops reads as zeros), so the late rank always has one
+        table = frame.pivot_table(index="name", columns="rank", values=["ms", "calls"], fill_value=0.0)
+        table = table.reindex(columns=pd.MultiIndex.from_product([["ms", "calls"], sorted(facts)]), fill_value=0.0)
+        others = [r for r in facts if r != rank]
+        d_ms = table["ms"][rank] - table["ms"][others].median(axis=1)
+        d_calls = table["calls"][rank] - table["calls"][others].median(axis=1)
+        top_ops = d_ms[d_ms >= MIN_OP_EXCESS_MS].nlargest(3)
+        ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
+                                                             else "") for n, v in top_ops.items())
+        ops_ms = float(d_ms[d_ms > 0].sum())
+    return WhyLate(source, top if source else None, {k: round(float(v), 3) for k, v in excess.items()}, ops,
+                   round(ops_ms, 3), detail)
