@@ -101,7 +101,7 @@ class Loaded:
 
 @runtime_checkable
 class SharesText(Protocol):
-    """A per-rank summary holding names that other ranks repeat (straggler.RankOps)."""
+    """A per-rank summary holding names that other ranks repeat (analyzers.why_late.RankOps)."""
 
     def shared(self, texts: dict[str, str]) -> SharesText: ...
 
