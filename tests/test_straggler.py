@@ -423,3 +423,16 @@ def test_one_late_rank_is_not_joined_by_the_next_latest(tmp_path):
     write_ranks(tmp_path, [{3: 6_000.0}] * 6, n=8)
     c = straggler(diagnose_paths([tmp_path]))
     assert c.finding.ranks == (3,) and "then comes last" not in c.reason
+
+
+def test_ranks_late_together_are_called_a_host_when_the_probes_put_exactly_them_on_one():
+    from types import SimpleNamespace
+
+    from diagnose.analyzers.straggler import _one_host
+
+    hosts = {r: ("node-a" if r < 8 else "node-b") for r in range(16)}
+    ctx = SimpleNamespace(probes={r: SimpleNamespace(meta={"host": h}) for r, h in hosts.items()})
+    assert _one_host(ctx, list(range(8, 16))) == "every rank of host node-b"
+    assert _one_host(ctx, [8, 9, 10]) == "3 ranks"  # part of a host: its other ranks are on time
+    assert _one_host(ctx, [7, 8]) == "2 ranks"
+    assert _one_host(SimpleNamespace(probes={}), [8, 9]) == "2 ranks"  # bare traces: no hosts known
