@@ -436,3 +436,15 @@ def test_ranks_late_together_are_called_a_host_when_the_probes_put_exactly_them_
     assert _one_host(ctx, [8, 9, 10]) == "3 ranks"  # part of a host: its other ranks are on time
     assert _one_host(ctx, [7, 8]) == "2 ranks"
     assert _one_host(SimpleNamespace(probes={}), [8, 9]) == "2 ranks"  # bare traces: no hosts known
+
+
+def test_a_rank_late_from_two_sources_is_said_to_be_late_from_both():
+    """The recorded two-cause job: rank 1 waits ~149 ms for its own DataLoader and sleeps 100 ms
+    more. Only the largest source was named; the sleep, two thirds of it, went unsaid."""
+    from pathlib import Path
+
+    d = diagnose_paths([Path(__file__).parent / "fixtures" / "cpu_straggler_dataloader_2rank"])
+    c = straggler(d)
+    assert "it is late from the DataLoader (+" in c.reason
+    assert "; also from host gaps (+" in c.reason
+    assert c.finding.metrics["late_rank_extra_other_ms"] > 80

@@ -303,6 +303,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                      "the time is outside them (a sleep, Python work, I/O, a wait the profiler does not record)")
             reason += (f"; its {'kernels' if ctx.run.is_gpu else 'ops'} take about as long as the median rank's "
                        f"({w.ops_ms:+.1f} ms per step in all): {where}")
+        if w.also:  # after the op diff, which speaks of the largest source only
+            reason += "; also from " + " and ".join(f"{label} (+{ms:.1f} ms per step)" for label, ms in w.also)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=tuple(named), metrics=metrics, events=refs, fix=FIX, confidence=confidence_for(ctx, base),

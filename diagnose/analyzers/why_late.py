@@ -25,6 +25,9 @@ SOURCES = {"compute_ms": "compute", "dataloader_ms": "the DataLoader", "other_ms
            "exposed_comm_ms": "its own communication"}
 CPU_OTHER = "host gaps"
 """A CPU rank's "other" time: outside any profiled op (it has no device to idle)."""
+ALSO_SHARE = 0.25
+"""A second source of lateness is named beside the largest from this share of it up (a rank
+waiting 149 ms for its DataLoader and sleeping 100 ms more is late from both)."""
 OPS_EXPLAIN = 0.25
 """The op diff is given as the reason a rank is late when its ops' excess is at least this share of
 the rank's excess (or the rank is late from compute); below, the reason says the time is elsewhere."""
@@ -112,6 +115,8 @@ class WhyLate:
     """Its ops' excess in all (every op's positive difference), ms per step."""
     detail: str
     """GPU ranks late from device idle: the idle class it has most more of, as ", mostly ..."."""
+    also: tuple[tuple[str, float], ...] = ()
+    """Other components it has ALSO_SHARE of the largest excess or more: (label, ms per step)."""
 
     @property
     def ops_explain(self) -> bool:
@@ -127,7 +132,11 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
         return WhyLate(None, None, {}, "", 0.0, "")
     excess = (means.loc[rank] - means.drop(index=rank).median()).to_dict()
     top = max(excess, key=excess.get)
-    source = (CPU_OTHER if top == "other_ms" and not ctx.run.is_gpu else SOURCES[top]) if excess[top] > 0 else None
+    def label(key: str) -> str:
+        return CPU_OTHER if key == "other_ms" and not ctx.run.is_gpu else SOURCES[key]
+    source = label(top) if excess[top] > 0 else None
+    also = tuple((label(k), round(float(v), 3)) for k, v in sorted(excess.items(), key=lambda kv: -kv[1])
+                 if k != top and source and v > 0 and v >= ALSO_SHARE * excess[top])
     detail = ""
     if top == "other_ms" and source and "other_by_cause_ms" in ctx.table:
         # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes).
@@ -159,4 +168,4 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
                                                              else "") for n, v in top_ops.items())
         ops_ms = float(d_ms[d_ms > 0].sum())
     return WhyLate(source, top if source else None, {k: round(float(v), 3) for k, v in excess.items()}, ops,
-                   round(ops_ms, 3), detail)
+                   round(ops_ms, 3), detail, also)
