@@ -309,6 +309,7 @@ def test_a_rank_late_from_its_ops_is_explained_by_the_op_diff(tmp_path):
     write_pair(tmp_path, [1] * 6, late_us=2_000.0)  # rank 1's aten::mm runs 2 ms longer each step
     c = straggler(diagnose_paths([tmp_path]))
     assert "it is late from compute (+2.0 ms per step against the median rank): aten::mm +2.00 ms/step" in c.reason
+    assert c.finding.fix.startswith("Balance the work or find the slow device on rank 1: more compute")
 
 
 def test_a_rank_late_outside_its_ops_is_not_explained_by_them():
@@ -324,6 +325,7 @@ def test_a_rank_late_outside_its_ops_is_not_explained_by_them():
     assert "its ops take about as long as the median rank's (+" in c.reason
     assert "the time is outside them (a sleep" in c.reason
     assert "late_rank_extra_ops" in c.finding.metrics  # the diff itself stays, as evidence
+    assert c.finding.fix.startswith("Look for work outside the profiled ops on rank 1: a sleep")
 
 
 def _spread_straggler(out, world: int, late: set[int]) -> None:
@@ -355,6 +357,7 @@ def test_a_slow_host_s_ranks_late_together_are_named_together(tmp_path_factory):
     assert 120 < c.finding.recoverable_ms < 160  # the 150 ms sleep, less what overlaps it
     assert c.finding.metrics["wait_imposed_ms_per_step"] > 120
     assert "late from host gaps" in c.reason
+    assert c.finding.fix.startswith("Look for work outside the profiled ops on ranks 8-15")
     # the others' wait for the group is waiting for late peers in the breakdown, not exposed
     # communication (it was 147 ms of "exposed" all-reduce a step, which no bucket size shortens)
     comm = next(x for x in d.checks if x.id == "exposed_communication")
@@ -448,3 +451,4 @@ def test_a_rank_late_from_two_sources_is_said_to_be_late_from_both():
     assert "it is late from the DataLoader (+" in c.reason
     assert "; also from host gaps (+" in c.reason
     assert c.finding.metrics["late_rank_extra_other_ms"] > 80
+    assert c.finding.fix.startswith("Feed rank 1 faster") and "Then: Look for work outside the profiled ops" in c.finding.fix

@@ -75,6 +75,21 @@ def _one_host(ctx: Context, ranks: list[int]) -> str:
     return f"{len(ranks)} ranks"
 
 
+FIX_BY_SOURCE = {
+    "compute_ms": ("Balance the work or find the slow device on {who}: more compute per step than the others "
+                   "(uneven batches, sequence lengths or embedding shards; on GPU a throttled or degraded device: "
+                   "compare nvidia-smi -q on its host with a healthy one)."),
+    "dataloader_ms": ("Feed {who} faster: longer waits for the next batch than the others (more DataLoader "
+                      "workers, pin_memory, a slow disk or network mount on the host, a heavier data shard)."),
+    "other_ms": ("Look for work outside the profiled ops on {who}: a sleep, logging, checkpointing or other "
+                 "Python work there only, or CPU contention on the host (py-spy dump --pid shows where it is)."),
+    "exposed_comm_ms": ("Check the network on {who}'s host: slower transfers there (NIC, link errors, a shared "
+                        "switch port) and the transport NCCL chose (NCCL_DEBUG=INFO)."),
+}
+"""The fix, by what the (latest) named rank is late from (why_late): more to act on than FIX."""
+HOST_FIX = "They share a host: look at that node first (its clocks and thermals, neighbours, storage, network). "
+
+
 MAX_NAMED_IN_ORDER = 8
 """Named ranks listed one by one, largest effect first, up to this many; beyond, as ranges."""
 def _excess(arrivals: pd.DataFrame, key: list[str], rank: int, per_step: bool = False) -> np.ndarray:
@@ -283,9 +298,16 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     if size is not None:
         reason += (f", and bringing {'it' if len(named) == 1 else 'them'} to the median rank gives back {size:.1f} "
                    "ms per step (replayed)")
+    fix = FIX
     if len(named) == 1 or group or then:
         # several: explained by the latest (named[0]) against the median other rank
         w = why_late(ctx, named[0])
+        if w.key in FIX_BY_SOURCE:
+            who = f"rank {names}" if len(named) == 1 else f"ranks {names}"
+            keys = [w.key] + [k for k, _, _ in w.also]
+            fix = " Then: ".join(FIX_BY_SOURCE[k].format(who=who) for k in keys if k in FIX_BY_SOURCE)
+        if note.startswith(" (late together: every rank of host"):
+            fix = HOST_FIX + fix
         subject = "it is" if len(named) == 1 else f"rank {named[0]}, the latest of them, is"
         if w.source and w.key:
             metrics["late_from"] = w.source + w.detail
@@ -304,10 +326,10 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
             reason += (f"; its {'kernels' if ctx.run.is_gpu else 'ops'} take about as long as the median rank's "
                        f"({w.ops_ms:+.1f} ms per step in all): {where}")
         if w.also:  # after the op diff, which speaks of the largest source only
-            reason += "; also from " + " and ".join(f"{label} (+{ms:.1f} ms per step)" for label, ms in w.also)
+            reason += "; also from " + " and ".join(f"{label} (+{ms:.1f} ms per step)" for _, label, ms in w.also)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
-        ranks=tuple(named), metrics=metrics, events=refs, fix=FIX, confidence=confidence_for(ctx, base),
+        ranks=tuple(named), metrics=metrics, events=refs, fix=fix, confidence=confidence_for(ctx, base),
         method=("Median over the other ranks of per-step time spent waiting, at each collective, for the "
                 "named ranks (after the last of the others arrived)." if len(named) > 1 else
                 "Median over the other ranks of per-step time spent waiting, at each collective, for the "

@@ -115,8 +115,8 @@ class WhyLate:
     """Its ops' excess in all (every op's positive difference), ms per step."""
     detail: str
     """GPU ranks late from device idle: the idle class it has most more of, as ", mostly ..."."""
-    also: tuple[tuple[str, float], ...] = ()
-    """Other components it has ALSO_SHARE of the largest excess or more: (label, ms per step)."""
+    also: tuple[tuple[str, str, float], ...] = ()
+    """Other components it has ALSO_SHARE of the largest excess or more: (key, label, ms per step)."""
 
     @property
     def ops_explain(self) -> bool:
@@ -135,7 +135,7 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
     def label(key: str) -> str:
         return CPU_OTHER if key == "other_ms" and not ctx.run.is_gpu else SOURCES[key]
     source = label(top) if excess[top] > 0 else None
-    also = tuple((label(k), round(float(v), 3)) for k, v in sorted(excess.items(), key=lambda kv: -kv[1])
+    also = tuple((k, label(k), round(float(v), 3)) for k, v in sorted(excess.items(), key=lambda kv: -kv[1])
                  if k != top and source and v > 0 and v >= ALSO_SHARE * excess[top])
     detail = ""
     if top == "other_ms" and source and "other_by_cause_ms" in ctx.table:
