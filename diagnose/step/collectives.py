@@ -91,26 +91,32 @@ def late_group(lateness_ms: pd.Series, min_gap_ms: float) -> list[int]:
     return [int(r) for r in lat.index[:k]]
 
 
-def wait_for_group(matched: Matched, group: tuple[int, ...]) -> Matched:
-    """The same, each other rank's tail_wait the time it waits for the group alone: from the
-    latest arrival among the rest (or its own, if later) to when it leaves. A group's members keep
-    their wait for the last rank alone. With one rank in the group nothing changes."""
-    pr = matched.per_rank
-    if len(group) < 2 or pr.empty:
-        return matched
+def _tail_waits(pr: pd.DataFrame, group: tuple[int, ...]) -> pd.Series:
+    """tail_wait with each rank outside `group` waiting for the group alone: from the latest
+    arrival among the rest (or its own, if later) to when it leaves."""
     rest = ~pr["rank"].isin(group)
     rest_latest = pr["arrival"].where(rest).groupby([pr[k] for k in KEY]).transform("max")
     leave = np.minimum(pr["latest"], pr["end"])
     alone = np.clip(leave - np.maximum(pr["arrival"], rest_latest.fillna(pr["second"])), 0, None)
-    return Matched(pr.assign(tail_wait=pr["tail_wait"].where(~rest, alone)), matched.per_collective,
-                   matched.match_ratio)
+    return pr["tail_wait"].where(~rest, alone)
+
+
+def wait_for_group(matched: Matched, group: tuple[int, ...]) -> Matched:
+    """The same, each other rank's tail_wait the time it waits for the group alone (_tail_waits);
+    the group's members keep their wait for the last rank alone. With under two ranks in the
+    group nothing changes (the wait for the last rank alone is already what fixing one saves)."""
+    pr = matched.per_rank
+    if len(group) < 2 or pr.empty:
+        return matched
+    return Matched(pr.assign(tail_wait=_tail_waits(pr, group)), matched.per_collective, matched.match_ratio)
 
 
 def group_wait_ms(matched: Matched, group: tuple[int, ...]) -> float:
-    """Median over the other ranks of their mean per-step wait for `group` alone (ms): the time in
-    each collective from the latest arrival among them (or their own) until they leave."""
-    pr = wait_for_group(matched, group).per_rank
-    rest = pr[~pr["rank"].isin(group)]
+    """Median over the other ranks of their mean per-step wait for `group` alone (ms, _tail_waits)."""
+    pr = matched.per_rank
+    if pr.empty or not group:
+        return 0.0
+    rest = pr.assign(tail_wait=_tail_waits(pr, group))[~pr["rank"].isin(group)]
     if rest.empty:
         return 0.0
     per_step = rest.groupby(["rank", "step"])["tail_wait"].sum().groupby(level="rank").mean()

@@ -1,4 +1,4 @@
-"""The pipeline's extras for the report at more ranks than it draws one by one (pipeline.shown_ranks)."""
+"""The report's extras at more ranks than it draws one by one (extras.shown_ranks)."""
 from __future__ import annotations
 
 import gzip
@@ -7,7 +7,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from diagnose.pipeline import MAX_TIMELINE_RANKS, diagnose_paths
+from diagnose.extras import MAX_TIMELINE_RANKS
+from diagnose.pipeline import diagnose_paths
 from diagnose.output import diagnosis_dict
 from reports.html import render
 from tests.conftest import built_once
