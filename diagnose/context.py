@@ -110,26 +110,40 @@ def prune_dead_views(run: Run) -> None:
                 refs.has_reference()
 
 
+MAX_GROUPS = 4
+"""Late groups peeled one after another at most (two slow hosts, each late by its own amount)."""
+
+
 def late_peers(run: Run, matched: Matched, model: StepModel | None, th: Thresholds) -> tuple[int, ...]:
     """The ranks late together (collectives.late_group: a gap of the straggler threshold's share of
     the step, above the healthy floor), kept when bringing them all to the median rank is worth
     that share too: by one replay where the step model is faithful, else by what the others wait
     for them inside the collectives. A gap of clock skew alone makes no one wait: neither figure
-    moves."""
+    moves. Then the next group among the rest, while it adds that share again and all of them stay
+    fewer than half the ranks (a second slow host, less late: fixing the first alone leaves the
+    others waiting for it)."""
     pr = matched.per_rank
     if pr.empty:
         return ()
     spans = [tl.steps["end"].to_numpy() - tl.steps["start"].to_numpy() for tl in run.timelines.values()]
     step_ms = float(np.concatenate(spans).mean()) / 1000 if spans else 0.0
     floor = max(th.healthy_floor_ms, th.straggler * step_ms)
-    group = tuple(late_group(pr.groupby("rank")["lateness"].mean() / 1000, floor))
-    if not group:
-        return ()
-    if model is not None and model.trusted:
-        saved = model.saving("straggler", group) or 0.0
-    else:
-        saved = group_wait_ms(matched, group)
-    return group if saved >= floor else ()
+    lateness = pr.groupby("rank")["lateness"].mean() / 1000
+    limit = (len(lateness) - 1) // 2
+    named: tuple[int, ...] = ()
+    saved_before = 0.0
+    for _ in range(MAX_GROUPS):
+        rest = lateness.drop(index=list(named))
+        group = tuple(late_group(rest, floor, limit - len(named)))
+        if not group:
+            break
+        cand = named + group
+        saved = ((model.saving("straggler", cand) or 0.0) if model is not None and model.trusted
+                 else group_wait_ms(matched, cand))
+        if saved - saved_before < floor:
+            break
+        named, saved_before = cand, saved
+    return named
 
 
 def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thresholds = DEFAULT) -> Context:

@@ -452,3 +452,15 @@ def test_a_rank_late_from_two_sources_is_said_to_be_late_from_both():
     assert "; also from host gaps (+" in c.reason
     assert c.finding.metrics["late_rank_extra_other_ms"] > 80
     assert c.finding.fix.startswith("Feed rank 1 faster") and "Then: Look for work outside the profiled ops" in c.finding.fix
+
+
+def test_two_slow_hosts_late_by_different_amounts_are_both_named(tmp_path):
+    """Ranks 4-7 compute 6 ms longer, ranks 12-15 3 ms longer, of 20. The widest gap finds the first
+    host alone (bringing it to the median gives back 3 ms: the second then comes last); the next
+    group among the rest adds 3 ms more, so both are named, at 6 ms."""
+    late = {**{r: 6_000.0 for r in range(4, 8)}, **{r: 3_000.0 for r in range(12, 16)}}
+    write_ranks(tmp_path, [late] * 6, n=20)
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.status == "flagged" and sorted(c.finding.ranks) == [*range(4, 8), *range(12, 16)]
+    assert c.finding.recoverable_ms == pytest.approx(6.0, abs=0.1)
+    assert "ranks 4-7, 12-15 are last to arrive" in c.reason

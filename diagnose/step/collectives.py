@@ -73,14 +73,14 @@ def match_collectives(run: Run) -> Matched:
     return Matched(matched.reset_index(drop=True), per_coll, len(matched) / max(len(allc), 1))
 
 
-def late_group(lateness_ms: pd.Series, min_gap_ms: float) -> list[int]:
+def late_group(lateness_ms: pd.Series, min_gap_ms: float, limit: int | None = None) -> list[int]:
     """The ranks above the widest gap in the ranks' mean lateness (ms, by rank), among fewer than
-    half of them, latest first, when that gap is min_gap_ms or more; [] otherwise. A slow host's
-    ranks arrive late together: bringing any one of them to the median saves nothing while the
-    group costs the whole wait (measured: 8 of 32 ranks 150 ms late each step read "no significant
-    cause found"). Under jitter the widest gap is small."""
+    half of them (and at most `limit`), latest first, when that gap is min_gap_ms or more; []
+    otherwise. A slow host's ranks arrive late together: bringing any one of them to the median
+    saves nothing while the group costs the whole wait (measured: 8 of 32 ranks 150 ms late each
+    step read "no significant cause found"). Under jitter the widest gap is small."""
     lat = lateness_ms.sort_values(ascending=False, kind="stable")
-    kmax = (len(lat) - 1) // 2
+    kmax = (len(lat) - 1) // 2 if limit is None else min((len(lat) - 1) // 2, limit)
     if kmax < 1:
         return []
     v = lat.to_numpy(dtype=float)
