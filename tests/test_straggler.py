@@ -464,3 +464,26 @@ def test_two_slow_hosts_late_by_different_amounts_are_both_named(tmp_path):
     assert c.status == "flagged" and sorted(c.finding.ranks) == [*range(4, 8), *range(12, 16)]
     assert c.finding.recoverable_ms == pytest.approx(6.0, abs=0.1)
     assert "ranks 4-7, 12-15 are last to arrive" in c.reason
+
+
+def test_a_whole_host_late_together_is_called_that_host_and_its_fix_starts_there(tmp_path_factory):
+    """The 8-of-32 spread with probe metadata putting ranks 8-15 (exactly) on host node-b."""
+    import pandas as pd
+
+    from diagnose.analyzers import reduce_rank, straggler as check
+    from diagnose.context import build_context
+    from diagnose.ingest.assemble import load_run
+    from diagnose.probedata import ProbeData
+    from diagnose.thresholds import DEFAULT
+    from tests.conftest import built_once
+
+    run = load_run([built_once(tmp_path_factory, "host8of32", lambda o: _spread_straggler(o, 32, set(range(8, 16))))],
+                   reduce=reduce_rank)
+    steps = pd.DataFrame({"step": [1], "start": [1000.0], "dur_ms": [1.0], "dataloader_ms": [0.0], "comm_ms": [0.0],
+                          "device_ms": [float("nan")]})
+    probes = {r: ProbeData(rank=r, meta={"host": "node-b" if 8 <= r < 16 else f"node-{r // 8}"}, steps=steps,
+                           collectives=pd.DataFrame(columns=["step", "seq", "name", "arrival", "dur_ms", "bytes",
+                                                             "group"])) for r in run.ranks}
+    (c,) = check.analyze(build_context(run, probes, DEFAULT), DEFAULT)
+    assert "(late together: every rank of host node-b)" in c.reason
+    assert c.finding.fix.startswith(check.HOST_FIX + "Look for work outside the profiled ops on ranks 8-15")
