@@ -7,7 +7,6 @@ untrusted, so it is escaped for the context it lands in (`esc` for HTML,
 """
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 from diagnose.units import human, on_ranks  # sizes in powers of 1000, as the GB/s beside them and the terminal
@@ -19,7 +18,7 @@ from .common import (MAX_EVENTS, MAX_LINES, STATUS_LABEL, STATUS_MARK, ChartSet,
 
 __all__ = ["render", "write_report", "_plotly_js"]  # _plotly_js: the tests check it is inlined once
 from .hta import _hta_for_check, _hta_section
-from .labels import _RANK, metric_label, metric_value
+from .labels import metric_rows
 
 # -------------------------------------------------------------- sections ---
 
@@ -267,41 +266,6 @@ def _replay_section(extras: dict, findings: list, cs: ChartSet) -> str:
             f'{fmt_share(err) if err is not None else "—"}. {given}</p>{table}{chart}')
 
 
-MAX_RANK_ROWS = 16
-"""Per-rank metrics of one kind (rank<R>_...) shown row by row up to this many ranks; beyond, one row."""
-TOP_RANKS = 5
-
-
-def _metric_rows(metrics: dict) -> list[tuple[str, str, str, bool]]:
-    """(machine key, label, value as HTML, is a number) per row. A per-rank family past
-    MAX_RANK_ROWS ranks (a 1,024-rank job's `rank<R>_mean_lateness_ms`) becomes one row: its
-    median and its highest ranks (every value stays in diagnosis.json)."""
-    families: dict[str, list[tuple[int, float]]] = {}
-    for k, v in metrics.items():
-        m = _RANK.fullmatch(str(k))
-        if m and num(v) is not None:
-            families.setdefault(m.group(2), []).append((int(m.group(1)), float(num(v))))
-    big = {f for f, vs in families.items() if len(vs) > MAX_RANK_ROWS}
-    rows: list[tuple[str, str, str, bool]] = []
-    for k, v in metrics.items():
-        m = _RANK.fullmatch(str(k))
-        fam = m.group(2) if m else None
-        if fam in big:
-            big.discard(fam)  # the family's one row, where its first rank stood
-            vals = families[fam]
-
-            def fmt(x: float, fam: str = fam) -> str:
-                return metric_value(f"rank0_{fam}", x) or fmt_value(x)
-            top = sorted(vals, key=lambda rv: -rv[1])[:TOP_RANKS]
-            text = (f"median {fmt(statistics.median(x for _, x in vals))}; highest: "
-                    + ", ".join(f"rank {r} {fmt(x)}" for r, x in top) + f" (all {len(vals)} in diagnosis.json)")
-            rows.append((f"rank<R>_{fam}", f"Per rank ({len(vals)} ranks): {metric_label(fam)[0]}", esc(text), False))
-        elif fam is None or fam not in families or len(families[fam]) <= MAX_RANK_ROWS:
-            shown = metric_value(k, v)
-            rows.append((str(k), metric_label(k)[0], esc(shown) if shown else fmt_value(v), num(v) is not None))
-    return rows
-
-
 def _metrics_table(metrics: dict) -> str:
     if not metrics:
         return '<p class="muted">No metrics recorded.</p>'
@@ -310,7 +274,7 @@ def _metrics_table(metrics: dict) -> str:
     # a human label on the page; the machine key (as in diagnosis.json) in the tooltip
     rows = "".join(f"<tr><th scope=row title=\"{esc(k)}\">{esc(label)}</th>"
                    f"<td class={'num' if is_num else 'val'}>{value}</td></tr>"
-                   for k, label, value, is_num in _metric_rows(metrics))
+                   for k, label, value, is_num in metric_rows(metrics))
     return f'<table class="metrics evidence"><caption>Metrics</caption><tbody>{rows}</tbody></table>'
 
 

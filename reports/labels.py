@@ -7,8 +7,10 @@ label is derived from the key; the keys whose words alone would mislead get a wr
 from __future__ import annotations
 
 import re
+import statistics
 
 from .charts import num
+from .common import esc, fmt_value
 
 # keys whose words need saying in full (the statistics, above all)
 WRITTEN = {
@@ -110,3 +112,38 @@ def metric_value(key: str, v) -> str | None:
     if float(x).is_integer():
         return f"{int(x):,}"
     return f"{x:,.4g}"
+
+
+MAX_RANK_ROWS = 16
+"""Per-rank metrics of one kind (rank<R>_...) shown row by row up to this many ranks; beyond, one row."""
+TOP_RANKS = 5
+
+
+def metric_rows(metrics: dict) -> list[tuple[str, str, str, bool]]:
+    """(machine key, label, value as HTML, is a number) per row. A per-rank family past
+    MAX_RANK_ROWS ranks (a 1,024-rank job's `rank<R>_mean_lateness_ms`) becomes one row: its
+    median and its highest ranks (every value stays in diagnosis.json)."""
+    families: dict[str, list[tuple[int, float]]] = {}
+    for k, v in metrics.items():
+        m = _RANK.fullmatch(str(k))
+        if m and num(v) is not None:
+            families.setdefault(m.group(2), []).append((int(m.group(1)), float(num(v))))
+    big = {f for f, vs in families.items() if len(vs) > MAX_RANK_ROWS}
+    rows: list[tuple[str, str, str, bool]] = []
+    for k, v in metrics.items():
+        m = _RANK.fullmatch(str(k))
+        fam = m.group(2) if m else None
+        if fam in big:
+            big.discard(fam)  # the family's one row, where its first rank stood
+            vals = families[fam]
+
+            def fmt(x: float, fam: str = fam) -> str:
+                return metric_value(f"rank0_{fam}", x) or fmt_value(x)
+            top = sorted(vals, key=lambda rv: -rv[1])[:TOP_RANKS]
+            text = (f"median {fmt(statistics.median(x for _, x in vals))}; highest: "
+                    + ", ".join(f"rank {r} {fmt(x)}" for r, x in top) + f" (all {len(vals)} in diagnosis.json)")
+            rows.append((f"rank<R>_{fam}", f"Per rank ({len(vals)} ranks): {metric_label(fam)[0]}", esc(text), False))
+        elif fam is None or fam not in families or len(families[fam]) <= MAX_RANK_ROWS:
+            shown = metric_value(k, v)
+            rows.append((str(k), metric_label(k)[0], esc(shown) if shown else fmt_value(v), num(v) is not None))
+    return rows

@@ -366,7 +366,8 @@ def test_every_step_of_the_run_is_drawn_from_the_probes_record():
 def test_a_per_rank_metric_of_many_ranks_is_one_row_with_its_median_and_highest_ranks():
     """A 1,024-rank straggler finding carries rank<R>_mean_lateness_ms for every rank: the page's
     evidence table had 1,049 rows. Past MAX_RANK_ROWS ranks a family is one row; few stay rows."""
-    from reports.html import MAX_RANK_ROWS, _metrics_table
+    from reports.html import _metrics_table
+    from reports.labels import MAX_RANK_ROWS
 
     many = {"collectives_matched": 5, **{f"rank{r}_mean_lateness_ms": (141.75 if r == 700 else 0.0) for r in range(1024)},
             "rank700_last_share": 1.0, "p_late_on_average": 0.0}
