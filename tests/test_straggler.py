@@ -487,3 +487,15 @@ def test_a_whole_host_late_together_is_called_that_host_and_its_fix_starts_there
     (c,) = check.analyze(build_context(run, probes, DEFAULT), DEFAULT)
     assert "(late together: every rank of host node-b)" in c.reason
     assert c.finding.fix.startswith(check.HOST_FIX + "Look for work outside the profiled ops on ranks 8-15")
+
+
+def test_ranks_late_together_behind_a_later_one_join_it(tmp_path):
+    """Rank 7 computes 6 ms longer, ranks 5 and 6 4 ms longer, of 16. Rank 7's own effect is 2 ms
+    (5 and 6 then come last) and adding 5 or 6 alone adds nothing (the other is as late): named rank
+    7 alone at 2 ms (a real 8-rank job with 5-7 asleep once read so). The ranks late together join
+    when all of them add the threshold's share: 5, 6, 7 at 6 ms."""
+    write_ranks(tmp_path, [{7: 6_000.0, 5: 4_000.0, 6: 4_000.0}] * 6, n=16)
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.finding.metrics["rank7_effect_ms"] == pytest.approx(2.0, abs=0.1)
+    assert sorted(c.finding.ranks) == [5, 6, 7]
+    assert c.finding.recoverable_ms == pytest.approx(6.0, abs=0.1)
