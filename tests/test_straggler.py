@@ -499,3 +499,16 @@ def test_ranks_late_together_behind_a_later_one_join_it(tmp_path):
     assert c.finding.metrics["rank7_effect_ms"] == pytest.approx(2.0, abs=0.1)
     assert sorted(c.finding.ranks) == [5, 6, 7]
     assert c.finding.recoverable_ms == pytest.approx(6.0, abs=0.1)
+
+
+def test_past_the_per_rank_replays_a_second_late_rank_is_peeled_after_the_first(tmp_path):
+    """72 ranks (no per-rank effects, so no next-latest step): rank 10 computes 6 ms longer, rank 50
+    3 ms longer. The context's first group is rank 10 alone (3 ms back: rank 50 then comes last);
+    the next group among the rest, rank 50, adds 3 ms more: both named, at 6 ms."""
+    from diagnose.analyzers.straggler import MAX_EFFECT_RANKS
+
+    n = MAX_EFFECT_RANKS + 8
+    write_ranks(tmp_path, [{10: 6_000.0, 50: 3_000.0}] * 6, n=n)
+    c = straggler(diagnose_paths([tmp_path]))
+    assert sorted(c.finding.ranks) == [10, 50]
+    assert c.finding.recoverable_ms == pytest.approx(6.0, abs=0.1)
