@@ -127,7 +127,7 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None, th: Threshol
         return ()
     spans = [tl.steps["end"].to_numpy() - tl.steps["start"].to_numpy() for tl in run.timelines.values()]
     step_ms = float(np.concatenate(spans).mean()) / 1000 if spans else 0.0
-    floor = max(th.healthy_floor_ms, th.straggler * step_ms)
+    floor = th.straggler_floor_ms(step_ms)
     lateness = pr.groupby("rank")["lateness"].mean() / 1000
     limit = (len(lateness) - 1) // 2
     named: tuple[int, ...] = ()

@@ -163,6 +163,10 @@ class Thresholds:
     healthy_floor_ms: float = 0.05
     """Ignore causes under 50 us per step: below timer and alignment noise."""
 
+    def straggler_floor_ms(self, step_ms: float) -> float:
+        """The least a straggler (a rank or ranks brought to the median) must give back per step."""
+        return max(self.healthy_floor_ms, self.straggler * step_ms)
+
     def severity(self, share: float) -> str:
         if share >= self.severity_high:
             return "high"

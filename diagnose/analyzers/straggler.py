@@ -54,6 +54,7 @@ from diagnose.model import Check, Finding
 from diagnose.probedata import every_step_lateness
 from diagnose.step.collectives import group_wait_ms
 from diagnose.thresholds import Thresholds
+from diagnose.whatif import StepModel
 from diagnose.units import rank_ranges
 
 ID = "straggler"
@@ -64,15 +65,15 @@ FIX = ("Find what makes the named rank(s) late: compare their step breakdown wit
        "move the job off a noisy host.")
 
 
-def _one_host(ctx: Context, ranks: list[int]) -> str:
-    """"every rank of host H" when the probes put exactly these ranks on one host, else how many."""
+def _one_host(ctx: Context, ranks: list[int]) -> str | None:
+    """The host the probes put exactly these ranks on (every rank of it, no other), else None."""
     hosts = {r: p.meta.get("host") for r, p in ctx.probes.items()}
     mine = {hosts.get(r) for r in ranks}
     if len(mine) == 1 and None not in mine:
         h = next(iter(mine))
         if {r for r, x in hosts.items() if x == h} == set(ranks):
-            return f"every rank of host {str(h)[:100]}"
-    return f"{len(ranks)} ranks"
+            return str(h)[:100]
+    return None
 
 
 FIX_BY_SOURCE = {
@@ -145,7 +146,7 @@ MAX_NEXT = 8
 """Ranks added after the named ones at most, each by one replay (_next_latest)."""
 
 
-def _next_latest(named: list[int], lateness_ms: pd.Series, m, th: Thresholds,
+def _next_latest(named: list[int], lateness_ms: pd.Series, m: StepModel, th: Thresholds,
                  step_ms: float) -> tuple[list[int], list[tuple[int, float]]]:
     """The named ranks, then each next-latest rank while adding it gives back the threshold's share
     of the step more (one replay each): with rank A 6 ms late and rank B 3 ms late, bringing A to the
@@ -154,7 +155,7 @@ def _next_latest(named: list[int], lateness_ms: pd.Series, m, th: Thresholds,
     before it."""
     out, added = list(named), []
     limit = (len(lateness_ms) - 1) // 2
-    floor = max(th.healthy_floor_ms, th.straggler * step_ms)
+    floor = th.straggler_floor_ms(step_ms)
     before = m.saving(ID, tuple(out)) or 0.0
     for r in lateness_ms.sort_values(ascending=False, kind="stable").index:
         if len(out) >= limit or len(added) >= MAX_NEXT:
@@ -168,6 +169,35 @@ def _next_latest(named: list[int], lateness_ms: pd.Series, m, th: Thresholds,
         out.append(int(r))
         before = with_it
     return out, added
+
+
+def _name(ctx: Context, th: Thresholds, effect: dict[int, float] | None, lateness_ms: pd.Series,
+          step_ms: float) -> tuple[list[int] | None, list[int], list[tuple[int, float]]]:
+    """(the ranks named, None to fall back on who is most often last; the ranks late together among
+    them, [] if none; the ranks _next_latest added, with what the set gave back before each).
+    By effect where per-rank replays exist: the ranks whose own effect reaches the threshold (fewer
+    than half, largest first), then the next-latest ones, then the context's late group behind them
+    when all of it adds the threshold's share. Otherwise the context's late group (past
+    MAX_EFFECT_RANKS a single late rank comes this way too)."""
+    m, found = ctx.model, list(ctx.late_together)
+    floor = th.straggler_floor_ms(step_ms)
+    limit = (len(ctx.run.ranks) - 1) // 2
+    named = None
+    if effect is not None:
+        big = [r for r, v in sorted(effect.items(), key=lambda kv: -kv[1]) if v >= floor]
+        named = big[:max(1, limit)] or None
+    if named is None:
+        return (found, found, []) if found and (effect is None or len(found) > 1) else (None, [], [])
+    if m is None:
+        return named, [], []
+    named, then = _next_latest(named, lateness_ms, m, th, step_ms)
+    more = [r for r in found if r not in named]
+    if len(found) > 1 and more and m.trusted and len(named) + len(more) <= limit:
+        # one at a time none of the group adds anything (its peers are as late), all of it may (8 ranks
+        # on 2 cores, 5-7 asleep: rank 7 was named alone at 59 ms)
+        if (m.saving(ID, tuple(named + more)) or 0.0) - (m.saving(ID, tuple(named)) or 0.0) >= floor:
+            return named + more, found, []
+    return named, [], then
 
 
 def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) -> LateRank | None:
@@ -222,28 +252,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     step_ms = ctx.mean_step_ms
     pc, pr = ctx.matched.per_collective, ctx.matched.per_rank
     lateness_ms = pr.groupby("rank")["lateness"].mean() / 1000 if not pr.empty else pd.Series(dtype=float)
-    by_effect, group = None, []
-    if effect is not None:
-        big = [r for r, v in sorted(effect.items(), key=lambda kv: -kv[1])
-               if v >= th.healthy_floor_ms and v / step_ms >= th.straggler]
-        # stragglers are the few the rest wait for: fewer than half the ranks (the largest first)
-        by_effect = big[:max(1, (len(effect) - 1) // 2)] or None
-    m = ctx.model
-    found = list(ctx.late_together)  # ranks late together (a slow host), confirmed by one replay
-    then: list[tuple[int, float]] = []
-    if by_effect is None and found and (effect is None or len(found) > 1):
-        # past MAX_EFFECT_RANKS a single late rank comes this way too
-        by_effect, group = found, found
-    elif by_effect and effect is not None and m is not None:
-        by_effect, then = _next_latest(by_effect, lateness_ms, m, th, step_ms)
-        more = [r for r in found if r not in by_effect]
-        if len(found) > 1 and more and m.trusted and len(by_effect) + len(more) <= (len(run.ranks) - 1) // 2:
-            # the ranks late together behind the first: one at a time none of them adds anything (its
-            # peers are as late), all of them together may (8 ranks on 2 cores, 5-7 asleep: rank 7
-            # named alone at 59 ms)
-            floor = max(th.healthy_floor_ms, th.straggler * step_ms)
-            if (m.saving(ID, tuple(by_effect + more)) or 0.0) - (m.saving(ID, tuple(by_effect)) or 0.0) >= floor:
-                by_effect, group, then = by_effect + more, found, []
+    by_effect, group, then = _name(ctx, th, effect, lateness_ms, step_ms)
     late = late_rank(ctx, th, by_effect)
     if late is None:
         return [not_measurable(ID, TITLE, "no collectives could be matched across ranks")]
@@ -294,9 +303,12 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     # the named ranks as ordered (largest effect first) while few; as ranges when many or late together
     names = ", ".join(map(str, named)) if len(named) <= MAX_NAMED_IN_ORDER and not group else rank_ranges(named)
     who = f"rank {names} is" if len(named) == 1 else f"ranks {names} are"
+    m = ctx.model
     size = ((m.saving(ID, tuple(named)) or 0.0) if (effect is not None or group) and m is not None and m.trusted
             else None)
-    note = f" (late together: {_one_host(ctx, list(group))})" if group and len(group) > 1 else ""
+    host = _one_host(ctx, group) if len(group) > 1 else None
+    note = (f" (late together: {f'every rank of host {host}' if host else f'{len(group)} ranks'})"
+            if len(group) > 1 else "")
     for r, before in then:  # why more than the per-rank effects named
         ahead = named[:named.index(r)]
         note += (f"; bringing {'rank' if len(ahead) == 1 else 'ranks'} {rank_ranges(ahead)} to the median rank alone "
@@ -311,10 +323,10 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         # several: explained by the latest (named[0]) against the median other rank
         w = why_late(ctx, named[0])
         if w.key in FIX_BY_SOURCE:
-            who = f"rank {names}" if len(named) == 1 else f"ranks {names}"
+            ranks_text = f"rank {names}" if len(named) == 1 else f"ranks {names}"
             keys = [w.key] + [k for k, _, _ in w.also]
-            fix = " Then: ".join(FIX_BY_SOURCE[k].format(who=who) for k in keys if k in FIX_BY_SOURCE)
-        if note.startswith(" (late together: every rank of host"):
+            fix = " Then: ".join(FIX_BY_SOURCE[k].format(who=ranks_text) for k in keys if k in FIX_BY_SOURCE)
+        if host:
             fix = HOST_FIX + fix
         subject = "it is" if len(named) == 1 else f"rank {named[0]}, the latest of them, is"
         if w.source and w.key:
