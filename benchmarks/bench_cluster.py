@@ -17,6 +17,8 @@ work after the last file arrived (assembly and the checklist: what more workers 
     python benchmarks/bench_cluster.py --ranks 64        # a quick look
     python benchmarks/bench_cluster.py --per-file 256    # one file's CPU: local pool against a worker
     python benchmarks/bench_cluster.py --phases 512      # the client's Python memory by phase
+    python benchmarks/bench_cluster.py --ranks 16,64 --paths local \\
+        --source ../shared/traces/kineto_resnet50_dataloader_v100/nw0   # heavier ranks (26 MB each)
 
 `--per-file N` times each file's read (load_one and the pickling of its result, no checklist) by
 the CPU of the thread that ran it and of its whole process: in a forked local pool of 2, then on a
@@ -45,15 +47,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT.parent / "shared" / "traces" / "param_dlrm_8rank_v100"
 
 
-def build(out: Path, n: int) -> Path:
-    """n ranks, rank r a copy of real rank r % 8 with its ids rewritten."""
+def build(out: Path, n: int, source: Path = SOURCE) -> Path:
+    """n ranks, rank r a copy of the source's real rank r % (its ranks) with its ids rewritten."""
     d = out / f"ranks{n}"
     d.mkdir(parents=True, exist_ok=True)
-    src = sorted(SOURCE.glob("worker*.pt.trace.json.gz"))
+    src = sorted(source.glob("*.json.gz"))
     docs = [orjson.loads(gzip.decompress(p.read_bytes())) for p in src]
     for r in range(n):
         doc = docs[r % len(docs)]
-        doc["distributedInfo"] = {**doc["distributedInfo"], "rank": r, "world_size": n}
+        doc["distributedInfo"] = {**doc.get("distributedInfo", {}), "rank": r, "world_size": n}
         (d / f"rank{r}.pt.trace.json").write_bytes(orjson.dumps(doc))
     return d
 
@@ -133,7 +135,7 @@ def per_file(n: int) -> None:
               f"the reading thread's CPU, {1e3 * sum(r[1] for r in res) / n:.1f} ms of its process's")
 
 
-def phases(n: int) -> None:
+def phases(n: int, source: Path = SOURCE) -> None:
     import tracemalloc
 
     import diagnose.context as context
@@ -161,7 +163,7 @@ def phases(n: int) -> None:
     for name in ("build_context", "run_checklist", "annotate"):
         wrap(pipeline, name)
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
-        target = build(Path(tmp), n)
+        target = build(Path(tmp), n, source)
         tracemalloc.start()
         pipeline.diagnose_paths([str(target)], jobs=2)
         mark("end")
@@ -182,6 +184,22 @@ def run_child(kind: str, target: str, timeout: float) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _cells(n: int, lo: dict, cl: dict) -> list[str]:
+    """One table row; a path that did not run (or failed) shows its reason or '-'."""
+    ok_l, ok_c = "error" not in lo, "error" not in cl
+
+    def pair(key: str, fmt: str, unit: str) -> str:
+        return " / ".join(format(x[key], fmt) if ok else "-" for x, ok in ((lo, ok_l), (cl, ok_c))) + unit
+
+    return [str(n),
+            f"{lo['wall_s']:.1f} s" if ok_l else lo["error"],
+            f"{cl['wall_s']:.1f} s (+{cl['start_s']:.1f} s)" if ok_c else cl["error"],
+            f"{cl['wall_s'] / lo['wall_s']:.2f}x" if ok_l and ok_c else "-",
+            pair("peak_mb", ".0f", " MB"),
+            f"{cl['bytes_per_rank'] / 1024:.0f} KiB" if ok_c else "-",
+            pair("after_read_s", ".1f", " s")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="256,1024")
@@ -190,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target")
     ap.add_argument("--per-file", type=int, metavar="N")
     ap.add_argument("--phases", type=int, metavar="N")
+    ap.add_argument("--source", type=Path, default=SOURCE,
+                    help="the real ranks to replicate (a directory of *.json.gz; default param_dlrm_8rank_v100)")
+    ap.add_argument("--paths", default="local,cluster", help="which of the two to run")
     a = ap.parse_args(argv)
     if a.phases:
-        phases(a.phases)
+        phases(a.phases, a.source)
         return 0
     if a.per_file:
         per_file(a.per_file)
@@ -203,21 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         for n in [int(x) for x in a.ranks.split(",")]:
-            target = build(Path(tmp), n)
-            local = run_child("local", str(target), a.timeout)
-            clus = run_child("cluster", str(target), a.timeout)
+            target = build(Path(tmp), n, a.source)
+            skipped = {"error": "not run (--paths)"}
+            local = run_child("local", str(target), a.timeout) if "local" in a.paths else skipped
+            clus = run_child("cluster", str(target), a.timeout) if "cluster" in a.paths else skipped
             rows.append((n, local, clus))
             print(f"{n} ranks: local {local}\n{n} ranks: cluster {clus}", flush=True)
     print("\n| ranks | single machine (2 processes) | LocalCluster of 2 (its start apart) | ratio | client peak, "
           "single / cluster | back per rank | client's own work after the last file, single / cluster |")
     print("|---|---|---|---|---|---|---|")
     for n, lo, cl in rows:
-        if "error" in lo or "error" in cl:
-            print(f"| {n} | {lo.get('error', '')} | {cl.get('error', '')} | | | | |")
-            continue
-        print(f"| {n} | {lo['wall_s']:.1f} s | {cl['wall_s']:.1f} s (+{cl['start_s']:.1f} s) | "
-              f"{cl['wall_s'] / lo['wall_s']:.2f}x | {lo['peak_mb']:.0f} / {cl['peak_mb']:.0f} MB | "
-              f"{cl['bytes_per_rank'] / 1024:.0f} KiB | {lo['after_read_s']:.1f} / {cl['after_read_s']:.1f} s |")
+        print("| " + " | ".join(_cells(n, lo, cl)) + " |")
     return 0
 
 

@@ -14,7 +14,7 @@ from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import compute_breakdown
 from diagnose.step.collectives import Matched, group_wait_ms, late_group, match_collectives, wait_for_group
 from diagnose.step.graph import build_graph
-from diagnose.step.intervals import covered
+from diagnose.step.cover import column
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.whatif import StepModel, step_model
 
@@ -64,9 +64,8 @@ class Context:
         torch.compile'd code; None when no rank ran any."""
         shares = []
         for tl in self.run.timelines.values():
-            lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-            busy = float(covered(tl.host_busy, lo, hi).sum())
-            shares.append(float(covered(tl.compiled, lo, hi).sum()) / busy if busy > 0 else 0.0)
+            busy = float(column(tl, "host_busy").sum())
+            shares.append(float(column(tl, "compiled").sum()) / busy if busy > 0 else 0.0)
         return float(np.median(shares)) if any(shares) else None
 
     def per_rank_mean(self, column: str) -> pd.Series:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from diagnose.context import Context
-from diagnose.ingest.assemble import ReduceFailed
 from diagnose.model import Check, Finding
 from diagnose.step.bandwidth import comm_table
 from diagnose.step.changes import over_time
 from diagnose.step.graph import critical_segments
-from diagnose.step.idle import CLASSES, LATENCY
-from diagnose.step.intervals import clip
+from diagnose.step.cover import DRAWN, MAX_DRAWN
+from diagnose.step.idle import CLASSES
 from diagnose.step.link import LinkSpec, group_ranks, judge
 from diagnose.thresholds import Thresholds
 
@@ -28,7 +27,7 @@ def report_extras(ctx: Context, checks: list[Check], findings: list[Finding], th
 
 
 MAX_TIMELINE_RANKS = 16
-MAX_LANE_INTERVALS = 400
+MAX_LANE_INTERVALS = MAX_DRAWN  # critical-path segments drawn a step, as many as a lane's intervals
 SINGLED_OUT = 4
 """Ranks taken from each finding that singles out a few, when the run has more than can be drawn."""
 
@@ -115,24 +114,17 @@ def _step_lanes(ctx: Context, ranks: list[int], step: int) -> dict:
     for r in ranks:
         tl = run.timelines[r]
         off = run.clock_offsets_us.get(r, 0.0)
-        srow = tl.steps[tl.steps["step"] == step].iloc[0]
-        lo, hi = float(srow["start"]), float(srow["end"])
+        i = int(np.flatnonzero(tl.steps["step"].to_numpy() == step)[0])
+        lo, hi = float(tl.steps["start"].iloc[i]), float(tl.steps["end"].iloc[i])
+        drawing = tl.cover.drawing  # the longest intervals of each lane, kept where the trace was read
         lanes: dict[str, list] = {}
-        for name, iv in (("host", tl.host_busy), ("compute", tl.compute), ("communication", tl.comm),
-                         ("dataloader", tl.dataloader)):
-            c = clip(iv, lo, hi)
-            keep = np.argsort(c.ends - c.starts)[::-1][:MAX_LANE_INTERVALS]
-            keep.sort()
-            lanes[name] = [[round(float(c.starts[i] + off) / 1000, 4), round(float(c.ends[i] - c.starts[i]) / 1000, 4)]
-                           for i in keep]
-        gaps = run.idle.get(r)
-        if gaps is not None and not isinstance(gaps, ReduceFailed):
-            # each idle gap with its cause (scheduling latency left out: too small to see)
-            s0, s1 = np.maximum(gaps.start, lo), np.minimum(gaps.end, hi)
-            sel = np.flatnonzero((s1 > s0) & (gaps.cls != LATENCY))
-            sel = np.sort(sel[np.argsort(s0[sel] - s1[sel], kind="stable")][:MAX_LANE_INTERVALS])
-            lanes["idle"] = [[round(float(s0[i] + off) / 1000, 4), round(float(s1[i] - s0[i]) / 1000, 4),
-                              CLASSES[int(gaps.cls[i])]] for i in sel]
+        for name in DRAWN:
+            a, b = drawing.lane(name, i)
+            lanes[name] = [[round(float(x + off) / 1000, 4), round(float(y - x) / 1000, 4)] for x, y in zip(a, b)]
+        if "idle" in drawing.offsets:  # each idle gap with its cause
+            a, b = drawing.lane("idle", i)
+            lanes["idle"] = [[round(float(x + off) / 1000, 4), round(float(y - x) / 1000, 4), CLASSES[int(k)]]
+                             for x, y, k in zip(a, b, drawing.idle_classes(i))]
         rows.append({"rank": r, "start_ms": round((lo + off) / 1000, 4), "dur_ms": round((hi - lo) / 1000, 4),
                      "lanes": lanes})
     t0 = min(x["start_ms"] for x in rows)

@@ -344,12 +344,17 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
         assert list(kept.columns) == ["name", "ts", "dur"] and kept["name"].dtype == object
         assert len(kept._mgr.blocks) == 2 and len(tl.collectives._mgr.blocks) == 3
         assert run.traces[r].comm_args is None  # only the reductions read the args
-        # the idle model keeps the gaps' times and classes (step graph, mini timeline), not the
-        # evidence columns the reductions read
+        # the idle model keeps its per-step sums, not its gaps (one per kernel boundary), and the
+        # timeline none of its interval sets: the parent reads their cover, the same as a full load's
         mine, whole = run.idle[r], full.idle[r]
-        assert len(whole.end_row) > 0 and all(len(getattr(mine, c)) == 0 for c in EVIDENCE_GAP_COLUMNS)
-        for c in ("start", "end", "cls", "by_class_us", "outside_dataloader_us"):
+        assert len(whole.end_row) > 0 and len(whole.start) > 0
+        assert all(len(getattr(mine, c)) == 0 for c in ("start", "end", "cls") + EVIDENCE_GAP_COLUMNS)
+        for c in ("by_class_us", "outside_dataloader_us"):
             assert np.array_equal(getattr(mine, c), getattr(whole, c)), c
+        assert tl.compute is tl.comm is tl.dataloader is tl.host_busy is tl.compiled is tl.input_copies is None
+        assert len(full.timelines[r].compute) > 0
+        for c in ("per_step", "points", "cum", "inside"):
+            assert np.array_equal(getattr(tl.cover, c), getattr(full.timelines[r].cover, c)), c
 
 
 @pytest.mark.parametrize("parallel", [False, True])

@@ -19,7 +19,7 @@ from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurab
 from diagnose.context import Context
 from diagnose.model import Check, Finding
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES
-from diagnose.step.intervals import covered
+from diagnose.step.cover import column
 from diagnose.thresholds import Thresholds
 
 ID = "exposed_communication"
@@ -52,7 +52,7 @@ def fix_one_bucket(cap_mb: float, largest_mb: float) -> str:
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     run = ctx.run
-    has_comm = any(len(tl.comm) for tl in run.timelines.values())
+    has_comm = any(tl.cover.counts["comm"] for tl in run.timelines.values())
     if not has_comm:
         if (run.world_size or 1) <= 1:
             return [passed(ID, TITLE, "single process (world size 1): no communication")]
@@ -65,7 +65,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     share = ms / ctx.mean_step_ms
     totals, counts, sizes = {}, [], []
     for r, tl in run.timelines.items():
-        totals[r] = float(np.mean(covered(tl.comm, tl.steps["start"], tl.steps["end"]))) / 1000
+        totals[r] = float(np.mean(column(tl, "comm"))) / 1000
         c = tl.collectives[tl.collectives["step"] >= 0]
         if len(c):
             counts.append(c.groupby("step").size().mean())
@@ -101,7 +101,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     for r in exposed.index:
         metrics[f"rank{r}_exposed_comm_ms"] = round(float(exposed[r]), 3)
     if run.is_gpu:
-        kernel_ms = {r: float(np.mean(covered(tl.compute, tl.steps["start"], tl.steps["end"]))) / 1000
+        kernel_ms = {r: float(np.mean(column(tl, "compute"))) / 1000
                      for r, tl in run.timelines.items()}
         comm_share = [totals[r] / (totals[r] + kernel_ms[r]) for r in totals if totals[r] + kernel_ms[r] > 0]
         if comm_share:

@@ -21,6 +21,7 @@ from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurab
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
+from diagnose.step.cover import column
 from diagnose.step.intervals import covered
 from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _names_matching
 from diagnose.thresholds import Thresholds
@@ -61,7 +62,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
 
 def _dataloader(ctx: Context, th: Thresholds) -> Check:
     run = ctx.run
-    if all(len(tl.dataloader) == 0 for tl in run.timelines.values()):
+    if all(tl.cover.counts["dataloader"] == 0 for tl in run.timelines.values()):
         return not_measurable("dataloader_starvation", TITLE,
                               "no enumerate(DataLoader) events in the trace (custom input pipeline, or "
                               "the loop does not iterate a DataLoader inside the profiled steps)")
@@ -83,7 +84,7 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
     for r, v in per_rank.items():
         metrics[f"rank{r}_dataloader_ms"] = round(float(v), 3)
     tl = run.timelines[worst]
-    blocked_ms = float(covered(tl.dataloader, tl.steps["start"], tl.steps["end"]).mean()) / 1000
+    blocked_ms = float(column(tl, "dataloader").mean()) / 1000
     metrics["blocked_in_dataloader_ms"] = round(blocked_ms, 3)
     metrics["blocked_share_of_step"] = round(blocked_ms / float(step[worst]), 4)
     if ctx.probes:

@@ -9,9 +9,10 @@ refused: which run the user meant is not ours to guess.
 Each rank is parsed and reduced in one step (`load_one`), in worker processes when the
 input is large: its timeline, then each check's per-rank summary (the `reduce` the
 pipeline passes in), then its events table is cut down to the few events cited as
-evidence. The parent holds timelines and summaries, never a rank's raw JSON or whole
-event table, so its memory does not grow with the trace sizes, and the checks' per-rank
-work runs in parallel. With `--cluster` the same reduction runs on Dask workers next to
+evidence. The parent holds timelines and summaries, never a rank's raw JSON, whole
+event table or interval sets (an interval per kernel: their cover, step/cover.py, is what
+it reads), so its memory grows with the steps and collectives, not the trace sizes, and
+the checks' per-rank work runs in parallel. With `--cluster` the same reduction runs on Dask workers next to
 the files (ingest/cluster.py) and only its result travels.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -31,6 +32,7 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
+from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
 from diagnose.step.timeline import RankTimeline, build_timeline
 from diagnose.units import rank_ranges
@@ -138,11 +140,13 @@ def load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
         # the rank is provisional until all files are seen; 0 is what a lone unranked file becomes
         timeline = build_timeline(trace, trace.rank if trace.rank is not None else 0)
         gaps = _idle(trace, timeline)
+        timeline = replace(timeline, cover=rank_cover(timeline, gaps))
         facts: dict[str, object] = {}
         if reduce is not None:
             # a rank without a complete step is skipped later: nothing to summarise, nothing to keep
             facts, rows = reduce(trace, timeline, gaps) if len(timeline.steps) else ({}, set())
             _keep_only(trace, rows | set(timeline.collectives["row"].tolist()))
+            timeline = timeline.for_parent()
             if isinstance(gaps, IdleModel):
                 gaps = gaps.for_parent()
         return Loaded(Path(path), trace, timeline, facts=facts, idle=gaps)

@@ -2,6 +2,8 @@
 
 - `intervals`: vectorised interval arithmetic (unions, intersections, coverage per window).
 - `timeline`: one rank's lanes (compute, communication, DataLoader wait) and its steps.
+- `cover`: what the analysis reads of a rank's lanes, sized by its steps, collectives and stretches
+  of exposed communication, not by its kernels: built where the trace is read; the lanes stay there.
 - `collectives`: collectives matched across ranks: arrival, lateness, the wait each rank imposes.
 - `breakdown`: each rank's step split into disjoint components that sum to the step.
 - `idle`: why a GPU idles: every idle gap attributed to one cause from its launch link.

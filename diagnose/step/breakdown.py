@@ -17,9 +17,9 @@ import numpy as np
 from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.model import StepBreakdown
 from diagnose.step.collectives import Matched
+from diagnose.step.cover import column
 from diagnose.step.idle import CLASSES
-from diagnose.step.intervals import Intervals, covered, intersect, merge, subtract, union
-from diagnose.step.timeline import RankTimeline
+from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
 
 
 def _wait_intervals(matched: Matched, rank: int, offset: float) -> Intervals:
@@ -32,16 +32,11 @@ def _wait_intervals(matched: Matched, rank: int, offset: float) -> Intervals:
     return union(end - mine["tail_wait"].to_numpy(), end)
 
 
-def _exposed_set(tl: RankTimeline) -> Intervals:
-    """Communication not hidden under compute (on CPU ranks, nor under DataLoader waits, which come first)."""
-    return subtract(tl.comm, tl.compute) if tl.is_gpu else subtract(subtract(tl.comm, tl.compute), tl.dataloader)
-
-
 def exposed_comm(run: Run, matched: Matched, rank: int) -> Intervals:
-    """The rank's communication that compute_breakdown books as exposed_comm: _exposed_set outside
-    its waits for the last rank alone. For splitting that time further (step/bandwidth.py), on the
-    rank's own clock."""
-    exposed_set = _exposed_set(run.timelines[rank])
+    """The rank's communication that compute_breakdown books as exposed_comm: its exposed set
+    (cover.exposed) outside its waits for the last rank alone. For splitting that time further
+    (step/bandwidth.py), on the rank's own clock."""
+    exposed_set = run.timelines[rank].cover.exposed
     waits = _wait_intervals(matched, rank, run.clock_offsets_us.get(rank, 0.0))
     return subtract(exposed_set, waits) if len(waits) else exposed_set
 
@@ -53,12 +48,9 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
         lo = tl.steps["start"].to_numpy()
         hi = tl.steps["end"].to_numpy()
         step_us = hi - lo
-        compute = covered(tl.compute, lo, hi)
-        if tl.is_gpu:
-            dl = covered(subtract(tl.dataloader, merge(tl.compute, tl.comm)), lo, hi)
-        else:
-            dl = covered(tl.dataloader, lo, hi)
-        exposed_set = _exposed_set(tl)
+        compute = column(tl, "compute")
+        dl = column(tl, "dataloader_free")
+        exposed_set = tl.cover.exposed
         exposed = covered(exposed_set, lo, hi)
         waits = _wait_intervals(matched, r, run.clock_offsets_us.get(r, 0.0))
         wait = covered(intersect(exposed_set, waits), lo, hi) if len(waits) else np.zeros(lo.size)

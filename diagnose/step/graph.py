@@ -46,17 +46,18 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from diagnose.ingest.assemble import ReduceFailed, Run
+from diagnose.ingest.assemble import Run
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
-from diagnose.step.idle import CLASSES, IdleModel
-from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
+from diagnose.step.cover import LANE_SETS
+from diagnose.step.intervals import Intervals, covered, intersect, union
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
 
 # node kinds, in the order they are processed at equal times
 STEP_START, ARRIVAL, COLL_END, RESUME, STEP_END = range(5)
-# lane composition columns: DataLoader wait, the idle model's classes, pageable input copies,
-# waiting on a transfer no collective end explains, the rest last
-PARTS = ("dataloader",) + tuple(f"idle_{c}" for c in CLASSES) + ("input_copy", "comm_wait", "compute")
+# lane composition columns: DataLoader wait, the idle model's classes, pageable input copies (each
+# measured where the trace is read: step/cover.py), waiting on a transfer no collective end
+# explains, the rest last
+PARTS = LANE_SETS + ("comm_wait", "compute")
 """input_copy: device time on pageable input copies with no kernel alongside (busy, not idle:
 RankTimeline.input_copies)."""
 DL, COMPUTE = 0, len(PARTS) - 1
@@ -121,14 +122,6 @@ class Replay:
 
 def _shift(iv: Intervals, off: float) -> Intervals:
     return Intervals(iv.starts + off, iv.ends + off) if off else iv
-
-
-def _idle_sets(m: IdleModel | ReduceFailed | None, off: float, lo: float, hi: float) -> list[Intervals]:
-    """Per idle class, the rank's idle gaps of that class (aligned clock; open ends cut at the steps)."""
-    if m is None or isinstance(m, ReduceFailed):
-        return [Intervals.empty() for _ in CLASSES]
-    a, b = np.maximum(m.start, lo), np.minimum(m.end, hi)
-    return [union(a[m.cls == k] + off, b[m.cls == k] + off) for k in range(len(CLASSES))]
 
 
 # a rank's collectives table (timeline.COLLECTIVE_COLUMNS) with its rank, less its event rows
@@ -199,7 +192,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         cols["seg"].append(-1 if seg is None else seg_codes.setdefault(seg, len(seg_codes)))
 
     blocked_by_rank: dict[int, Intervals] = {}
-    parts_sets: dict[int, list[Intervals]] = {}
+    comm_wait: dict[int, Intervals] = {}
     rows_of = _rows_by_value(c_rank, run.ranks)  # each rank's collective rows, found once (not a scan per rank)
     for r in run.ranks:
         tl = run.timelines[r]
@@ -207,18 +200,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         lo = tl.steps["start"].to_numpy(dtype=float) + off
         hi = tl.steps["end"].to_numpy(dtype=float) + off
         steps = tl.steps["step"].to_numpy()
-        if tl.is_gpu:
-            blocked = subtract(tl.comm, tl.compute)
-            busy = union(np.concatenate([tl.compute.starts, tl.comm.starts]),
-                         np.concatenate([tl.compute.ends, tl.comm.ends]))
-            dl = subtract(tl.dataloader, busy)
-        else:
-            blocked = subtract(subtract(tl.comm, tl.compute), tl.dataloader)
-            dl = tl.dataloader
-        blocked, dl = _shift(blocked, off), _shift(dl, off)
-        gaps = _idle_sets(run.idle.get(r), off, float(lo.min()) - off, float(hi.max()) - off)
-        idle_sets = [subtract(s, dl) for s in gaps]
-        parts_sets[r] = [dl, *idle_sets, _shift(tl.input_copies, off)]
+        blocked = _shift(tl.cover.exposed, off)
         for s, a, b in zip(steps, lo, hi):
             add(r, STEP_START, float(a), int(s), ("start", int(s)))
             add(r, STEP_END, float(b), int(s), ("end", int(s)))
@@ -260,7 +242,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             add(r, RESUME, max(float(b1), float(c_end[i])), st, None, int(c_group[i]), ref=int(i))
         blocked_by_rank[r] = Intervals(bl.starts[explained], bl.ends[explained])
         in_transfer = union(latest[mine], c_end[mine])
-        parts_sets[r].append(intersect(Intervals(bl.starts[~explained], bl.ends[~explained]), in_transfer))
+        comm_wait[r] = intersect(Intervals(bl.starts[~explained], bl.ends[~explained]), in_transfer)
 
     kind = np.asarray(cols["kind"], dtype=np.int8)
     time = np.asarray(cols["time"], dtype=float)
@@ -304,8 +286,8 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         a, b = time[lane[:-1]], time[lane[1:]]
         lane_w = np.maximum(b - a - covered(blocked_by_rank[r], a, b), 0.0)
         parts = np.zeros((lane.size - 1, len(PARTS)))
-        for k, s in enumerate(parts_sets[r]):
-            parts[:, k] = covered(s, a, b)
+        parts[:, :len(LANE_SETS)] = run.timelines[r].cover.lane_parts(a, b, run.clock_offsets_us.get(r, 0.0))
+        parts[:, len(LANE_SETS)] = covered(comm_wait[r], a, b)
         # what is left is compute and host work; parts never exceed the edge
         scale = np.where(parts[:, :COMPUTE].sum(axis=1) > lane_w,
                          lane_w / np.maximum(parts[:, :COMPUTE].sum(axis=1), 1e-12), 1.0)

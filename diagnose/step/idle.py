@@ -71,8 +71,8 @@ parent's copy (IdleModel.for_parent)."""
 
 @dataclass(frozen=True, slots=True)
 class IdleModel:
-    """One GPU rank's idle gaps and their causes. Gap columns are parallel arrays; in the parent,
-    after the reductions, only start, end and cls (EVIDENCE_GAP_COLUMNS are empty there)."""
+    """One GPU rank's idle gaps and their causes. Gap columns are parallel arrays, empty in the
+    parent after the reductions (for_parent)."""
 
     steps: int
     step_idle_us: np.ndarray
@@ -124,11 +124,11 @@ class IdleModel:
 
     def for_parent(self) -> IdleModel:
         """The model as the parent keeps it once the checks' per-rank reductions have read it: the
-        gaps' times and classes (the step graph, the mini timeline) and the per-step sums; the
-        evidence columns (rows, sub-tags, queueing, host ops) only the reductions read are emptied
-        (#20: ~12 KB of a DLRM rank's 61 KB in the client, by a walk of its objects)."""
+        per-step sums and counts. The gaps themselves (one per kernel boundary) are emptied: the
+        step graph and the mini timeline read them from the rank's cover (step/cover.py), built
+        before (#20: the gaps grow with the trace, ~20 bytes a kernel)."""
         return replace(self, long_gap_ops=(), **{c: np.empty(0, dtype=getattr(self, c).dtype)
-                                                  for c in EVIDENCE_GAP_COLUMNS})
+                                                  for c in ("start", "end", "cls") + EVIDENCE_GAP_COLUMNS})
 
     def class_ms(self, name: str) -> float:
         """Mean per-step ms of one class."""

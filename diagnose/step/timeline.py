@@ -19,7 +19,8 @@ Definitions (stated in the report):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -35,6 +36,9 @@ from diagnose.ingest.load import (
     RankTrace,
 )
 from diagnose.step.intervals import Intervals, merge, subtract, union
+
+if TYPE_CHECKING:  # cover.py reads the idle model, which reads timelines
+    from diagnose.step.cover import RankCover
 
 DATALOADER = re.compile(r"^enumerate\(DataLoader\)#.*__next__")
 PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
@@ -106,25 +110,36 @@ class RankTimeline:
     step_source: str
     steps: pd.DataFrame
     """One row per complete step: step (int), start, end (us, file clock)."""
-    compute: Intervals
-    comm: Intervals
-    dataloader: Intervals
-    host_busy: Intervals
+    compute: Intervals | None
+    """Device work (GPU: kernels, copies, memsets; CPU: host ops on the training threads outside
+    DataLoader waits and communication wrappers). This and the other interval sets, one interval
+    per kernel or op, are None in the parent after the checks' per-rank reductions: it reads
+    `cover` (step/cover.py), sized by steps and collectives (#20)."""
+    comm: Intervals | None
+    dataloader: Intervals | None
+    host_busy: Intervals | None
     """CPU ops on the training threads (GPU traces: the host side that launches work)."""
     collectives: pd.DataFrame
     """One row per collective instance on this rank, in order (COLLECTIVE_COLUMNS)."""
     comm_threads: frozenset[str]
     """Thread ids that only run communication (gloo's runloop threads)."""
-    compiled: Intervals
+    compiled: Intervals | None
     """Host time inside torch.compile'd code (`Torch-Compiled Region` spans on the training threads)."""
     warnings: tuple[str, ...]
-    input_copies: Intervals = field(default_factory=Intervals.empty)
+    input_copies: Intervals | None = field(default_factory=Intervals.empty)
     """GPU: the device copying pageable host memory to itself with no kernel running alongside.
     A pageable copy runs at the host's staging speed and blocks the host meanwhile (recorded on an
     H200: 64 MiB in 9.1 ms pageable, 1.2 ms pinned); the input_stall check's cost."""
     device_timed: bool = False
     """GPU: the host ran ahead of the device in these steps, so they are timed as the device ran
     them (`device_steps`), not by the host's step spans."""
+    cover: RankCover | None = None
+    """What the parent reads of the interval sets (step/cover.py); set where the trace is read."""
+
+    def for_parent(self) -> RankTimeline:
+        """The timeline as the parent keeps it once the per-rank reductions have read its sets."""
+        return replace(self, compute=None, comm=None, dataloader=None, host_busy=None, compiled=None,
+                       input_copies=None)
 
 
 def _names_matching(ev: pd.DataFrame, pattern: re.Pattern) -> np.ndarray:
