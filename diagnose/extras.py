@@ -116,7 +116,7 @@ def _step_lanes(ctx: Context, ranks: list[int], step: int) -> dict:
         off = run.clock_offsets_us.get(r, 0.0)
         i = int(np.flatnonzero(tl.steps["step"].to_numpy() == step)[0])
         lo, hi = float(tl.steps["start"].iloc[i]), float(tl.steps["end"].iloc[i])
-        drawing = tl.cover.drawing  # the longest intervals of each lane, kept where the trace was read
+        drawing = tl.cover.drawn()  # the longest intervals of each lane, kept where the trace was read
         lanes: dict[str, list] = {}
         for name in DRAWN:
             a, b = drawing.lane(name, i)

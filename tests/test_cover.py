@@ -86,3 +86,21 @@ def test_what_travels_per_rank_does_not_grow_with_the_kernels(tmp_path):
     # what is left growing: the stretches of exposed communication, which compute kernels running
     # alongside cut up (the step graph has a node at each); the sets grew the result 2.9x here
     assert sizes[1] < 1.6 * sizes[0], (sizes, kernels)
+
+
+def test_the_parent_keeps_each_ranks_mini_timeline_on_disk():
+    # only the report reads it, for 16 ranks at most: each rank's is written to one temporary
+    # file as it arrives and read back when drawn (ingest/spill.py)
+    from diagnose.ingest.assemble import load_run
+    from diagnose.ingest.spill import Spilled
+
+    path = SHARED / "param_dlrm_8rank_v100"
+    run = load_run([path], reduce=reduce_rank)
+    f = sorted(path.glob("*.gz"))[3]
+    whole = load_one((str(f), DEFAULT_MAX_BYTES, None)).timeline.cover.drawing
+    kept = next(tl.cover for tl in run.timelines.values() if tl.file == f.name)
+    assert isinstance(kept.drawing, Spilled) and kept.drawing.size > 1000
+    back = kept.drawn()
+    for lane in whole.starts:
+        assert np.array_equal(back.starts[lane], whole.starts[lane]) and np.array_equal(back.ends[lane], whole.ends[lane])
+    assert np.array_equal(back.idle_cls, whole.idle_cls)

@@ -65,7 +65,7 @@ class RankOps:
         return tuple(zip(self.names, self.ms.tolist(), self.calls.tolist()))
 
     def shared(self, texts: dict[str, str]) -> RankOps:
-        """The same, its op names kept once across ranks (`texts`: the client's pool, ingest.assemble.Repeats).
+        """The same, its op names kept once across ranks (`texts`: the client's pool, ingest.assemble.Keep).
         Ranks run the same kernels, whose C++ names reach 2 KB: each rank's own copies were 42 KB
         of the client's memory per rank."""
         return RankOps(names=tuple(texts.setdefault(n, n) for n in self.names), ms=self.ms, calls=self.calls,

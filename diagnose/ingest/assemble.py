@@ -32,6 +32,7 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
+from diagnose.ingest.spill import Spill
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
 from diagnose.step.timeline import RankTimeline, build_timeline
@@ -109,16 +110,22 @@ class SharesText(Protocol):
 
 
 @dataclass(slots=True)
-class Repeats:
-    """What ranks repeat, kept once in the parent: each arriving rank's op names and file metadata
-    are swapped for the first equal copy seen. Every rank's result is unpickled into objects of its
-    own; at 1,024 ranks their identical kernel names and device properties were most of the
-    client's memory (#20: the client's peak should not grow with the rank count)."""
+class Keep:
+    """How the parent keeps each rank's result as it arrives (#20: the client's peak should not
+    grow with the rank count):
+    - what ranks repeat, once: each rank's op names and file metadata are swapped for the first
+      equal copy seen. Every rank's result is unpickled into objects of its own; at 1,024 ranks
+      their identical kernel names and device properties were most of the client's memory;
+    - its mini timeline on disk (ingest/spill.py): only the report reads it, for 16 ranks."""
 
     texts: dict[str, str] = field(default_factory=dict)
     values: dict[str, object] = field(default_factory=dict)
+    spill: Spill = field(default_factory=Spill)
 
     def take(self, x: Loaded) -> Loaded:
+        if x.timeline is not None and x.timeline.cover is not None:
+            cover = x.timeline.cover
+            x.timeline = replace(x.timeline, cover=replace(cover, drawing=self.spill.put(cover.drawing)))
         if x.trace is not None:
             # metadata is read, never written, after loading: one copy can serve every rank
             x.trace.meta = {k: self.values.setdefault(json.dumps(v, sort_keys=True, default=str), v)
@@ -209,7 +216,7 @@ Progress = Callable[[int, int, str], None]
 
 def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Reduce | None = None,
                progress: Progress | None = None) -> list[Loaded]:
-    repeats = Repeats()
+    keep = Keep()
     total = sum(_size(f) for f in files)
     work = [(str(f), max_bytes, reduce) for f in files]
     workers = min(jobs or os.cpu_count() or 1, len(files))
@@ -220,14 +227,14 @@ def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Redu
                 futures = {pool.submit(load_one, w): i for i, w in enumerate(work)}
                 out: list[Loaded | None] = [None] * len(work)
                 for done, fut in enumerate(as_completed(futures), 1):
-                    out[futures[fut]] = repeats.take(fut.result())
+                    out[futures[fut]] = keep.take(fut.result())
                     tell(done, len(work), Path(work[futures[fut]][0]).name)
                 return [x for x in out if x is not None]
         except (OSError, BrokenProcessPool):
             pass  # no processes to be had (sandbox, limits, a worker killed): read here instead
     out_serial = []
     for done, w in enumerate(work, 1):
-        out_serial.append(repeats.take(load_one(w)))
+        out_serial.append(keep.take(load_one(w)))
         tell(done, len(work), Path(w[0]).name)
     return out_serial
 

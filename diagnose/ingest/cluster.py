@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diagnose.errors import DiagnoseError
-from diagnose.ingest.assemble import INTERNAL_ERROR, Loaded, Progress, Reduce, Repeats, load_one
+from diagnose.ingest.assemble import INTERNAL_ERROR, Loaded, Progress, Reduce, Keep, load_one
 from diagnose.ingest.discover import discover_traces
 
 INSTALL = "pip install 'torch-diagnose[dask]'"
@@ -307,7 +307,7 @@ class DaskReader:
             assigned[a] += f.size
         tell = progress or (lambda done, n, name: None)
         out: dict[Listed, Loaded] = {}
-        repeats = Repeats()
+        keep = Keep()
         tried: dict[Listed, list[str]] = {f: [] for f in files}
         pending: dict[object, list[Listed]] = {}
 
@@ -364,7 +364,7 @@ class DaskReader:
                     for f, blob in zip(batch, blobs):
                         self.stats.bytes_back += len(blob)
                         self.stats.read_on[addr] = self.stats.read_on.get(addr, 0) + 1
-                        out[f] = repeats.take(pickle.loads(blob))
+                        out[f] = keep.take(pickle.loads(blob))
                         tell(len(out), len(files), Path(f.path).name)
                 elif fut.status == "error" and not _killed(fut.exception()):
                     # load_one never raises: this is the result failing to pickle, or the like

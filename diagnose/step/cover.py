@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from diagnose.ingest.spill import Spilled, unspilled
 from diagnose.step.idle import CLASSES, LATENCY, IdleModel
 from diagnose.step.intervals import Intervals, clip, covered, merge, subtract, union
 
@@ -87,7 +88,11 @@ class RankCover:
     inside: np.ndarray
     """(points, len(lane_cols)): the set covers the moment just after the point (how a query a
     fraction of a microsecond past a point, a lane resuming at a collective's end, continues)."""
-    drawing: Drawing
+    drawing: Drawing | Spilled
+    """In the parent, on disk until the report draws the rank (ingest/spill.py): use `drawn()`."""
+
+    def drawn(self) -> Drawing:
+        return unspilled(self.drawing)
 
     def lane_parts(self, a: np.ndarray, b: np.ndarray, offset: float) -> np.ndarray:
         """(len(a), len(LANE_SETS)): each lane set's time between a[i] and b[i] (aligned clock:

@@ -48,6 +48,7 @@ import pandas as pd
 
 from diagnose.ingest.assemble import Run
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
+from diagnose.step.collectives import collectives_table
 from diagnose.step.cover import LANE_SETS
 from diagnose.step.intervals import Intervals, covered, intersect, union
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
@@ -128,28 +129,6 @@ def _shift(iv: Intervals, off: float) -> Intervals:
 ALL_COLLECTIVE_COLUMNS = tuple(c for c in COLLECTIVE_COLUMNS if c != "row") + ("rank",)
 
 
-def _all_collectives(run: Run) -> pd.DataFrame:
-    """Every rank's collectives inside its steps, on the aligned clock, as one table built from
-    column arrays: a frame per rank first (`assign` then `concat`) held 7 KB a rank until the
-    graph was built, the largest part of its build's peak (#20: 3.5 of 13.4 MB at 512 ranks)."""
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in ALL_COLLECTIVE_COLUMNS}
-    for r in run.ranks:
-        c = run.timelines[r].collectives
-        keep = c["step"].to_numpy() >= 0
-        if not keep.any():
-            continue
-        off = run.clock_offsets_us.get(r, 0.0)
-        for col in ALL_COLLECTIVE_COLUMNS:
-            if col == "rank":
-                parts[col].append(np.full(int(keep.sum()), r, dtype=np.int64))
-            else:
-                v = c[col].to_numpy()[keep]
-                parts[col].append(v + off if col in ("arrival", "end") else v)
-    if not parts["step"]:
-        return pd.DataFrame(columns=list(ALL_COLLECTIVE_COLUMNS))
-    return pd.DataFrame({c: np.concatenate(v) for c, v in parts.items()})
-
-
 def _rows_by_value(values: np.ndarray, keys: list[int]) -> dict[int, np.ndarray]:
     """key -> the ascending positions where `values` equals it (empty where none)."""
     order = np.argsort(values, kind="stable")
@@ -161,7 +140,7 @@ def _rows_by_value(values: np.ndarray, keys: list[int]) -> dict[int, np.ndarray]
 
 def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     """The dependency graph of every profiled step of every loaded rank."""
-    allc = _all_collectives(run)
+    allc = collectives_table(run, ALL_COLLECTIVE_COLUMNS)
     keys = allc[["step", "pg", "seq"]].drop_duplicates().reset_index(drop=True)
     allc = allc.merge(keys.reset_index().rename(columns={"index": "group"}), on=["step", "pg", "seq"])
     # what each instance moved, for edits that depend on it (reductions in fp32: whatif.py)
