@@ -33,11 +33,17 @@ class Context:
     (diagnose/whatif.py): each finding's recoverable ms comes from editing it. None when it could
     not be built (model_error says why)."""
     model_error: str | None = None
-    late_together: tuple[int, ...] = ()
+    late_groups: tuple[tuple[int, ...], ...] = ()
     """Ranks late at the collectives by a wide gap over the rest (fewer than half of them), whose
-    being brought to the median rank the replay confirms is worth the straggler threshold
-    (`late_peers`); with two or more, the breakdown books the others' wait for all of them as
-    waiting for a late peer, not as exposed communication."""
+    being brought to the median rank the replay confirms is worth the straggler threshold, in the
+    groups `late_peers` peeled them in (the latest first: a second slow host, less late, after
+    the first)."""
+
+    @property
+    def late_together(self) -> tuple[int, ...]:
+        """Every rank of late_groups; with two or more, the breakdown books the others' wait for
+        all of them as waiting for a late peer, not as exposed communication."""
+        return tuple(r for g in self.late_groups for r in g)
 
     def facts(self, name: str) -> dict:
         """Each rank's per-rank summary from check `name`'s reduce phase, by rank.
@@ -113,7 +119,8 @@ MAX_GROUPS = 4
 """Late groups peeled one after another at most (two slow hosts, each late by its own amount)."""
 
 
-def late_peers(run: Run, matched: Matched, model: StepModel | None, th: Thresholds) -> tuple[int, ...]:
+def late_peers(run: Run, matched: Matched, model: StepModel | None,
+               th: Thresholds) -> tuple[tuple[int, ...], ...]:
     """The ranks late together (collectives.late_group: a gap of the straggler threshold's share of
     the step, above the healthy floor), kept when bringing them all to the median rank is worth
     that share too: by one replay where the step model is faithful, else by what the others wait
@@ -130,6 +137,7 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None, th: Threshol
     lateness = pr.groupby("rank")["lateness"].mean() / 1000
     limit = (len(lateness) - 1) // 2
     named: tuple[int, ...] = ()
+    groups: list[tuple[int, ...]] = []
     saved_before = 0.0
     for _ in range(MAX_GROUPS):
         rest = lateness.drop(index=list(named))
@@ -142,7 +150,8 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None, th: Threshol
         if saved - saved_before < floor:
             break
         named, saved_before = cand, saved
-    return named
+        groups.append(group)
+    return tuple(groups)
 
 
 def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thresholds = DEFAULT) -> Context:
@@ -152,9 +161,9 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
         model = step_model(build_graph(run))
     except Exception as exc:  # noqa: BLE001 - the checks' own estimates stand without the replay
         error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]
-    together = late_peers(run, matched, model, th)
-    matched = wait_for_group(matched, together)
+    groups = late_peers(run, matched, model, th)
+    matched = wait_for_group(matched, tuple(r for g in groups for r in g))
     steps = tuple(compute_breakdown(run, matched))
     table = pd.DataFrame([asdict(s) for s in steps])
     return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {}, model=model,
-                   model_error=error, late_together=together)
+                   model_error=error, late_groups=groups)

@@ -76,6 +76,22 @@ def _one_host(ctx: Context, ranks: list[int]) -> str | None:
     return None
 
 
+def _together(ctx: Context, groups: tuple[tuple[int, ...], ...]) -> str:
+    """How the context's late ranks are said: one group together (a host's ranks by their host),
+    or groups peeled one after another, late by different amounts (the latest first), which
+    "late together" would overstate."""
+    if sum(map(len, groups)) < 2:
+        return ""
+
+    def said(g: tuple[int, ...]) -> str:
+        host = _one_host(ctx, list(g)) if len(g) > 1 else None
+        return f"every rank of host {host}" if host else f"rank {g[0]}" if len(g) == 1 else f"ranks {rank_ranges(g)}"
+    if len(groups) == 1:
+        host = _one_host(ctx, list(groups[0]))
+        return f" (late together: {f'every rank of host {host}' if host else f'{len(groups[0])} ranks'})"
+    return f" (late by different amounts: {said(groups[0])} most, then {', then '.join(map(said, groups[1:]))})"
+
+
 FIX_BY_SOURCE = {
     "compute_ms": ("Balance the work or find the slow device on {who}: more compute per step than the others "
                    "(uneven batches, sequence lengths or embedding shards; on GPU a throttled or degraded device: "
@@ -307,8 +323,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     size = ((m.saving(ID, tuple(named)) or 0.0) if (effect is not None or group) and m is not None and m.trusted
             else None)
     host = _one_host(ctx, group) if len(group) > 1 else None
-    note = (f" (late together: {f'every rank of host {host}' if host else f'{len(group)} ranks'})"
-            if len(group) > 1 else "")
+    note = _together(ctx, ctx.late_groups) if group else ""
     for r, before in then:  # why more than the per-rank effects named
         ahead = named[:named.index(r)]
         note += (f"; bringing {'rank' if len(ahead) == 1 else 'ranks'} {rank_ranges(ahead)} to the median rank alone "

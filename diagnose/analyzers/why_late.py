@@ -153,16 +153,18 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
     except RuntimeError:
         facts = {}
     if rank in facts and len(facts) >= 2 and any(f.names for f in facts.values()):
-        frame = pd.DataFrame({"rank": np.concatenate([np.full(len(f.names), r) for r, f in facts.items()]),
-                              "name": [n for f in facts.values() for n in f.names],
-                              "ms": np.concatenate([f.ms for f in facts.values()]),
-                              "calls": np.concatenate([f.calls for f in facts.values()])})
-        # every rank a column (one without ops reads as zeros), so the late rank always has one
-        table = frame.pivot_table(index="name", columns="rank", values=["ms", "calls"], fill_value=0.0)
-        table = table.reindex(columns=pd.MultiIndex.from_product([["ms", "calls"], sorted(facts)]), fill_value=0.0)
-        others = [r for r in facts if r != rank]
-        d_ms = table["ms"][rank] - table["ms"][others].median(axis=1)
-        d_calls = table["calls"][rank] - table["calls"][others].median(axis=1)
+        # names x ranks, a rank without an op reading as zero: two matrices filled in place (a long
+        # frame pivoted was 5 MB at its height at 512 ranks, #20: the client's memory per rank)
+        names = sorted({n for f in facts.values() for n in f.names})
+        at = {n: i for i, n in enumerate(names)}
+        ranks = sorted(facts)
+        ms, calls = np.zeros((len(names), len(ranks))), np.zeros((len(names), len(ranks)))
+        for j, r in enumerate(ranks):
+            rows = [at[n] for n in facts[r].names]
+            ms[rows, j], calls[rows, j] = facts[r].ms, facts[r].calls
+        me, others = ranks.index(rank), [j for j, r in enumerate(ranks) if r != rank]
+        d_ms = pd.Series(ms[:, me] - np.median(ms[:, others], axis=1), index=names)
+        d_calls = pd.Series(calls[:, me] - np.median(calls[:, others], axis=1), index=names)
         top_ops = d_ms[d_ms >= MIN_OP_EXCESS_MS].nlargest(3)
         ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
                                                              else "") for n, v in top_ops.items())

@@ -32,7 +32,7 @@ import pandas as pd
 
 from diagnose.ingest.assemble import Run
 from diagnose.step.breakdown import exposed_comm
-from diagnose.step.collectives import KEY, Matched
+from diagnose.step.collectives import KEY, Matched, collectives_table
 from diagnose.step.intervals import covered, intersect, union
 
 SMALL_MESSAGE_BYTES = 1024**2
@@ -111,9 +111,7 @@ def comm_table(run: Run, matched: Matched) -> tuple[GroupComm, ...]:
     """Every (group, kind) with a collective in the profiled steps, and the OUTSIDE row when some
     exposed communication is in none; sorted by exposed time, largest first."""
     exposed = exposed_by_group(run, matched)
-    frames = [tl.collectives.assign(rank=r) for r, tl in run.timelines.items() if len(tl.collectives)]
-    allc = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(KEY) + ["name", "bytes"])
-    allc = allc[allc["step"] >= 0]
+    allc = collectives_table(run, tuple(KEY) + ("name", "bytes", "arrival", "end", "rank"), aligned=False)
     allc = allc.assign(kind=allc["name"].astype(str).map(collective_kind), pg=allc["pg"].astype(str))
     sizes = group_sizes(run)
     world = run.world_size or len(run.ranks)

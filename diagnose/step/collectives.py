@@ -33,18 +33,20 @@ class Matched:
     """Share of all collective rows that found a partner on another rank."""
 
 
-def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + ("rank", "dur")) -> pd.DataFrame:
+def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + ("rank", "dur"), *,
+                      aligned: bool = True) -> pd.DataFrame:
     """Every rank's collectives inside its steps (COLLECTIVE_COLUMNS, `rank`, and `dur`: end minus
-    arrival, on the rank's own clock), arrival and end on the aligned clock, in rank order, as one
-    table built from column arrays: a frame per rank (`assign`, then `concat`) held about 7 KB a
-    rank at the height of matching and of the graph's build (#20: the client's memory per rank)."""
+    arrival, on the rank's own clock), arrival and end on the aligned clock (`aligned`, else each
+    rank's own), in rank order, as one table built from column arrays: a frame per rank (`assign`,
+    then `concat`) held about 7 KB a rank at the height of matching, of the graph's build and of
+    the communication table (#20: the client's memory per rank)."""
     parts: dict[str, list[np.ndarray]] = {c: [] for c in columns}
     for r in sorted(run.timelines):
         c = run.timelines[r].collectives
         keep = c["step"].to_numpy() >= 0
         if not keep.any():
             continue
-        off = run.clock_offsets_us.get(r, 0.0)
+        off = run.clock_offsets_us.get(r, 0.0) if aligned else 0.0
         for col in columns:
             if col == "rank":
                 v = np.full(int(keep.sum()), r, dtype=np.int64)
@@ -52,7 +54,7 @@ def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + 
                 v = (c["end"] - c["arrival"]).to_numpy()[keep]
             else:
                 v = c[col].to_numpy()[keep]
-                if col in ("arrival", "end"):
+                if col in ("arrival", "end") and off:
                     v = v + off
             parts[col].append(v)
     if not parts[columns[0]]:
