@@ -355,6 +355,10 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
         assert len(full.timelines[r].compute) > 0
         for c in ("per_step", "points", "cum", "inside"):
             assert np.array_equal(getattr(tl.cover, c), getattr(full.timelines[r].cover, c)), c
+        # the small tables' column labels, one copy for every rank (~1.2 KB each)
+        first = run.timelines[run.ranks[0]]
+        assert tl.steps.columns is first.steps.columns and tl.collectives.columns is first.collectives.columns
+        assert kept.columns is run.traces[run.ranks[0]].events.columns
 
 
 @pytest.mark.parametrize("parallel", [False, True])
