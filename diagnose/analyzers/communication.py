@@ -19,6 +19,7 @@ from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurab
 from diagnose.context import Context
 from diagnose.model import Check, Finding
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES
+from diagnose.step.collectives import collectives_table
 from diagnose.step.cover import column
 from diagnose.thresholds import Thresholds
 
@@ -176,18 +177,12 @@ def small_buckets(n_per_step: float, reduced: float, cap_mb: float | None) -> tu
 def _all_reduces(run) -> tuple[float, float, float]:
     """The median over ranks and steps of a step's largest all-reduce (bytes), of its all-reduced
     bytes together and of its all-reduce count; zeros where no all-reduce records its bytes."""
-    largest, total, count = [], [], []
-    for tl in run.timelines.values():
-        c = tl.collectives
-        if c.empty:
-            continue
-        c = c[(c["step"] >= 0) & c["name"].str.lower().str.replace("_", "").str.contains("allreduce")
-              & c["bytes"].notna()]
-        if len(c):
-            g = c.groupby("step")["bytes"]
-            largest += list(g.max())
-            total += list(g.sum())
-            count += list(g.size())
-    if not largest:
+    # one table for every rank (per-rank string matching was 0.76 s of the client's 7.3 at 1,024 ranks)
+    c = collectives_table(run, ("rank", "step", "name", "bytes"), aligned=False)
+    if c.empty:
         return 0.0, 0.0, 0.0
-    return float(np.median(largest)), float(np.median(total)), float(np.median(count))
+    c = c[c["name"].astype(str).str.lower().str.replace("_", "").str.contains("allreduce") & c["bytes"].notna()]
+    if c.empty:
+        return 0.0, 0.0, 0.0
+    g = c.groupby(["rank", "step"])["bytes"]
+    return float(np.median(g.max())), float(np.median(g.sum())), float(np.median(g.size()))

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import Run
-from diagnose.step.breakdown import exposed_comm
+from diagnose.step.breakdown import exposed_comm, waits_by_rank
 from diagnose.step.collectives import KEY, Matched, collectives_table
 from diagnose.step.intervals import covered, intersect, union
 
@@ -179,6 +179,7 @@ def exposed_per_rank(run: Run, matched: Matched) -> dict[int, dict[tuple[str, st
     (on CPU ranks DDP's bucket copies, gloo's point-to-point transfers) is the row OUTSIDE, so a
     rank's rows sum to its exposed_comm_ms."""
     per_rank: dict[int, dict[tuple[str, str], float]] = {}
+    waits = waits_by_rank(run, matched)
     for r in run.ranks:
         tl = run.timelines[r]
         c = tl.collectives
@@ -186,7 +187,7 @@ def exposed_per_rank(run: Run, matched: Matched) -> dict[int, dict[tuple[str, st
         n = len(tl.steps)
         if not n:
             continue
-        exposed = intersect(exposed_comm(run, matched, r), union(tl.steps["start"], tl.steps["end"]))
+        exposed = intersect(exposed_comm(run, matched, r, waits), union(tl.steps["start"], tl.steps["end"]))
         start, end = c["arrival"].to_numpy(dtype=float), c["end"].to_numpy(dtype=float)
         # disjoint pieces: each collective from where the earlier ones (by start) had all ended
         before = np.maximum.accumulate(np.concatenate([[-np.inf], end[:-1]]))

@@ -22,27 +22,38 @@ from diagnose.step.idle import CLASSES
 from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
 
 
-def _wait_intervals(matched: Matched, rank: int, offset: float) -> Intervals:
+def waits_by_rank(run: Run, matched: Matched) -> dict[int, Intervals]:
+    """Each rank's waits for the last rank alone (or for the ranks late together), on its own
+    clock, where its lanes live; found in one pass (a scan of every matched row per rank was
+    1.5 of the client's 7.3 s at 1,024 ranks)."""
     pr = matched.per_rank
     if pr.empty:
-        return Intervals.empty()
-    mine = pr[(pr["rank"] == rank) & (pr["tail_wait"] > 0)]
-    # back to this rank's own clock, where its lanes live
-    end = np.minimum(mine["latest"], mine["end"]).to_numpy() - offset
-    return union(end - mine["tail_wait"].to_numpy(), end)
+        return {}
+    mine = pr[pr["tail_wait"] > 0]
+    rank = mine["rank"].to_numpy()
+    end, tail = np.minimum(mine["latest"], mine["end"]).to_numpy(), mine["tail_wait"].to_numpy()
+    order = np.argsort(rank, kind="stable")
+    bounds = np.flatnonzero(np.diff(rank[order])) + 1
+    out = {}
+    for rows in np.split(order, bounds) if order.size else ():
+        r = int(rank[rows[0]])
+        e = end[rows] - run.clock_offsets_us.get(r, 0.0)
+        out[r] = union(e - tail[rows], e)
+    return out
 
 
-def exposed_comm(run: Run, matched: Matched, rank: int) -> Intervals:
+def exposed_comm(run: Run, matched: Matched, rank: int, waits: dict[int, Intervals] | None = None) -> Intervals:
     """The rank's communication that compute_breakdown books as exposed_comm: its exposed set
     (cover.exposed) outside its waits for the last rank alone. For splitting that time further
-    (step/bandwidth.py), on the rank's own clock."""
+    (step/bandwidth.py), on the rank's own clock. waits: waits_by_rank's, when already found."""
     exposed_set = run.timelines[rank].cover.exposed
-    waits = _wait_intervals(matched, rank, run.clock_offsets_us.get(rank, 0.0))
-    return subtract(exposed_set, waits) if len(waits) else exposed_set
+    mine = (waits_by_rank(run, matched) if waits is None else waits).get(rank)
+    return subtract(exposed_set, mine) if mine is not None and len(mine) else exposed_set
 
 
 def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
     rows: list[StepBreakdown] = []
+    all_waits = waits_by_rank(run, matched)
     for r in run.ranks:
         tl = run.timelines[r]
         lo = tl.steps["start"].to_numpy()
@@ -52,7 +63,7 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
         dl = column(tl, "dataloader_free")
         exposed_set = tl.cover.exposed
         exposed = covered(exposed_set, lo, hi)
-        waits = _wait_intervals(matched, r, run.clock_offsets_us.get(r, 0.0))
+        waits = all_waits.get(r, Intervals.empty())
         wait = covered(intersect(exposed_set, waits), lo, hi) if len(waits) else np.zeros(lo.size)
         wait = np.minimum(wait, exposed)
         exposed = exposed - wait
