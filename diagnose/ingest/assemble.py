@@ -35,7 +35,7 @@ from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
 from diagnose.ingest.spill import Spill
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
-from diagnose.step.timeline import RankTimeline, build_timeline
+from diagnose.step.timeline import RankTimeline, build_timeline, gather_collectives
 from diagnose.units import rank_ranges
 
 # Below this much JSON in total, worker processes cost more to start than they save.
@@ -74,6 +74,9 @@ class Run:
     """Per rank, each check's per-rank summary (or ReduceFailed), when loaded with a reduction."""
     idle: dict[int, IdleModel | ReduceFailed] = field(default_factory=dict)
     """GPU ranks: the idle model (diagnose/step/idle.py), or why it could not be built."""
+    collectives: dict[str, np.ndarray] | None = None
+    """Every rank's collectives inside its steps as column arrays, read from the timelines once
+    when the run is assembled (step/timeline.gather_collectives; None: read them when needed)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -400,6 +403,7 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
               warnings=warnings, skipped=skipped, facts={r: facts_of[id(by_rank[r])] for r in timelines},
               idle={r: idle_of[id(by_rank[r])] for r in timelines if idle_of[id(by_rank[r])] is not None})
     run.clock_offsets_us = _align_clocks(timelines, run.traces, warnings)
+    run.collectives = gather_collectives(timelines)
     if run.missing_ranks:
         found = len(run.ranks)
         miss = run.missing_ranks

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import Run
-from diagnose.step.timeline import COLLECTIVE_COLUMNS
+from diagnose.step.timeline import COLLECTIVE_COLUMNS, gather_collectives
 
 KEY = ["step", "pg", "seq"]
 
@@ -37,29 +37,19 @@ def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + 
                       aligned: bool = True) -> pd.DataFrame:
     """Every rank's collectives inside its steps (COLLECTIVE_COLUMNS, `rank`, and `dur`: end minus
     arrival, on the rank's own clock), arrival and end on the aligned clock (`aligned`, else each
-    rank's own), in rank order, as one table built from column arrays: a frame per rank (`assign`,
-    then `concat`) held about 7 KB a rank at the height of matching, of the graph's build and of
-    the communication table (#20: the client's memory per rank)."""
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in columns}
-    for r in sorted(run.timelines):
-        c = run.timelines[r].collectives
-        keep = c["step"].to_numpy() >= 0
-        if not keep.any():
-            continue
-        off = run.clock_offsets_us.get(r, 0.0) if aligned else 0.0
-        for col in columns:
-            if col == "rank":
-                v = np.full(int(keep.sum()), r, dtype=np.int64)
-            elif col == "dur":
-                v = (c["end"] - c["arrival"]).to_numpy()[keep]
-            else:
-                v = c[col].to_numpy()[keep]
-                if col in ("arrival", "end") and off:
-                    v = v + off
-            parts[col].append(v)
-    if not parts[columns[0]]:
+    rank's own), in rank order, as one table built from the run's column arrays
+    (Run.collectives): a frame per rank (`assign`, then `concat`) held about 7 KB a rank at the
+    height of matching, of the graph's build and of the communication table (#20: the client's
+    memory per rank)."""
+    cols = run.collectives if run.collectives is not None else gather_collectives(run.timelines)
+    if not cols:
         return pd.DataFrame(columns=list(columns))
-    return pd.DataFrame({c: np.concatenate(v) for c, v in parts.items()})
+    off = None
+    if aligned and any(run.clock_offsets_us.values()):
+        ranks = np.unique(cols["rank"])
+        off = np.array([run.clock_offsets_us.get(int(r), 0.0) for r in ranks])[np.searchsorted(ranks, cols["rank"])]
+    return pd.DataFrame({c: cols[c] + off if off is not None and c in ("arrival", "end") else cols[c]
+                         for c in columns})
 
 
 def match_collectives(run: Run) -> Matched:

@@ -362,14 +362,18 @@ def _anchor_segments(g: StepGraph) -> np.ndarray:
     """For each lane node, the anchor it leads to: the next step bound or collective arrival on its
     rank (every rank has those; resume points do not always exist), as that anchor's seg id."""
     out = np.full(g.time.size, -1, dtype=np.int64)
-    for r in g.ranks:
-        lane = np.flatnonzero((g.rank == r) & (g.kind != COLL_END))
-        anchor = g.kind[lane] != RESUME
-        # next anchor at or after each position: reverse running minimum of anchor positions
-        pos = np.where(anchor, np.arange(lane.size), lane.size)
-        nxt = np.minimum.accumulate(pos[::-1])[::-1]
-        ok = nxt < lane.size
-        out[lane[ok]] = g.seg[lane[nxt[ok]]]
+    # every rank's lane nodes, rank after rank, each in node (time) order: one pass for all ranks
+    # (a pass per rank over every node was O(ranks x nodes): 0.3 s a call at 1,024 ranks)
+    lane = np.flatnonzero(g.kind != COLL_END)
+    lane = lane[np.argsort(g.rank[lane], kind="stable")]
+    anchor = g.kind[lane] != RESUME
+    # next anchor at or after each position: reverse running minimum of anchor positions; one found
+    # past the end of a rank's lane belongs to the next rank: none
+    pos = np.where(anchor, np.arange(lane.size), lane.size)
+    nxt = np.minimum.accumulate(pos[::-1])[::-1] if lane.size else pos
+    ok = nxt < lane.size
+    ok[ok] = g.rank[lane[nxt[ok]]] == g.rank[lane[ok]]
+    out[lane[ok]] = g.seg[lane[nxt[ok]]]
     return out
 
 
@@ -384,14 +388,15 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     per = frame.groupby(["seg", "rank"])["w"].sum()
     others = per[~per.index.get_level_values("rank").isin(list(ranks))]
     med = (others if len(others) else per).groupby(level="seg").median()
-    for r in ranks:
-        if r not in per.index.get_level_values("rank"):
-            continue
-        mine = per.xs(r, level="rank")
-        factor = np.minimum(1.0, med.reindex(mine.index).to_numpy() / np.maximum(mine.to_numpy(), 1e-12))
-        f = pd.Series(factor, index=mine.index)
-        sel = has & (g.rank == r)
-        w[sel] *= f.reindex(seg[sel]).fillna(1.0).to_numpy()
+    # every listed rank at once (a pass over every node per rank was O(ranks x nodes) for a group)
+    mine = per[per.index.get_level_values("rank").isin(list(ranks))]
+    if not len(mine):
+        return w
+    factor = np.minimum(1.0, med.reindex(mine.index.get_level_values("seg")).to_numpy()
+                        / np.maximum(mine.to_numpy(), 1e-12))
+    f = pd.Series(factor, index=mine.index)
+    sel = has & np.isin(g.rank, list(ranks))
+    w[sel] *= f.reindex(pd.MultiIndex.from_arrays([seg[sel], g.rank[sel]], names=["seg", "rank"])).fillna(1.0).to_numpy()
     return w
 
 
