@@ -64,13 +64,11 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     wait_ms = float(np.median(wait.to_numpy()))
     ms = float(np.median(exposed.to_numpy()))
     share = ms / ctx.mean_step_ms
-    totals, counts, sizes = {}, [], []
-    for r, tl in run.timelines.items():
-        totals[r] = float(np.mean(column(tl, "comm"))) / 1000
-        c = tl.collectives[tl.collectives["step"] >= 0]
-        if len(c):
-            counts.append(c.groupby("step").size().mean())
-            sizes += list(c["bytes"].dropna())
+    totals = {r: float(np.mean(column(tl, "comm"))) / 1000 for r, tl in run.timelines.items()}
+    # each rank's collectives per step and every recorded size, from one table of every rank's
+    allc = collectives_table(run, ("rank", "step", "bytes"), aligned=False)
+    counts = allc.groupby(["rank", "step"]).size().groupby(level="rank").mean().tolist() if len(allc) else []
+    sizes = allc["bytes"].dropna().tolist() if len(allc) else []
     total_ms = float(np.median(list(totals.values())))
     hidden = max(total_ms - ms - wait_ms, 0.0)
     per_step = float(np.median(counts)) if counts else 0.0
