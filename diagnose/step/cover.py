@@ -31,7 +31,7 @@ import numpy as np
 
 from diagnose.ingest.spill import Spilled, unspilled
 from diagnose.step.idle import CLASSES, LATENCY, IdleModel
-from diagnose.step.intervals import Intervals, clip, covered, merge, subtract, union
+from diagnose.step.intervals import Intervals, clip, covered, member, merge, running, subtract, union
 
 if TYPE_CHECKING:  # both import this module
     from diagnose.ingest.assemble import ReduceFailed
@@ -83,8 +83,8 @@ class RankCover:
     lane_cols: np.ndarray
     """The LANE_SETS this rank has any time in (most ranks have a few idle classes): cum's columns."""
     cum: np.ndarray
-    """(points, len(lane_cols)): each such set's coverage up to each point (intervals.covered's own
-    running sum, so differences equal covered() between points)."""
+    """(points, len(lane_cols)): each such set's coverage up to each point (intervals.running, whose
+    differences are covered() between points)."""
     inside: np.ndarray
     """(points, len(lane_cols)): the set covers the moment just after the point (how a query a
     fraction of a microsecond past a point, a lane resuming at a collective's end, continues)."""
@@ -107,29 +107,6 @@ class RankCover:
         i = np.clip(np.searchsorted(self.points, x + POINT_SLACK_US, side="right") - 1, 0, None)
         dt = np.maximum(x - self.points[i], 0.0)
         return self.cum[i] + self.inside[i] * dt[:, None]
-
-
-def _cum(a: Intervals, x: np.ndarray) -> np.ndarray:
-    """Coverage of `a` up to each x: the running sum intervals.covered differences."""
-    if len(a) == 0:
-        return np.zeros(x.size)
-    before = np.concatenate([[0.0], np.cumsum(a.ends - a.starts)])
-    i = np.searchsorted(a.starts, x, side="right") - 1
-    out = np.zeros(x.size)
-    ok = i >= 0
-    ii = i[ok]
-    out[ok] = before[ii] + np.minimum(x[ok], a.ends[ii]) - a.starts[ii]
-    return out
-
-
-def _inside(a: Intervals, x: np.ndarray) -> np.ndarray:
-    if len(a) == 0:
-        return np.zeros(x.size, dtype=bool)
-    i = np.searchsorted(a.starts, x, side="right") - 1
-    out = np.zeros(x.size, dtype=bool)
-    ok = i >= 0
-    out[ok] = x[ok] < a.ends[i[ok]]
-    return out
 
 
 def exposed_set(tl: RankTimeline) -> Intervals:
@@ -190,8 +167,8 @@ def rank_cover(tl: RankTimeline, m: IdleModel | ReduceFailed | None) -> RankCove
         ends = np.minimum(exposed.ends, hi.max())
         points = np.unique(np.concatenate([lo, hi, arrivals, ends[ends > lo.min()]]))
         cols = np.array([k for k, s in enumerate(lane) if len(s)], dtype=np.int64)
-        cum = np.stack([_cum(lane[k], points) for k in cols], axis=1) if cols.size else np.zeros((points.size, 0))
-        inside = np.stack([_inside(lane[k], points) for k in cols], axis=1) if cols.size \
+        cum = np.stack([running(lane[k], points) for k in cols], axis=1) if cols.size else np.zeros((points.size, 0))
+        inside = np.stack([member(points, lane[k]) for k in cols], axis=1) if cols.size \
             else np.zeros((points.size, 0), dtype=bool)
     else:
         points, cols, cum, inside = np.empty(0), np.empty(0, dtype=np.int64), np.zeros((0, 0)), np.zeros((0, 0), dtype=bool)

@@ -49,7 +49,8 @@ def union(starts, ends) -> Intervals:
     return Intervals(out_s[keep], out_e[keep])
 
 
-def _member(points: np.ndarray, a: Intervals) -> np.ndarray:
+def member(points: np.ndarray, a: Intervals) -> np.ndarray:
+    """Whether each point lies inside `a` (an interval holds its start, not its end)."""
     if len(a) == 0:
         return np.zeros(points.size, dtype=bool)
     i = np.searchsorted(a.starts, points, side="right") - 1
@@ -64,8 +65,8 @@ def _combine(a: Intervals, b: Intervals, op: str) -> Intervals:
     if pts.size < 2:
         return Intervals.empty()
     mids = (pts[:-1] + pts[1:]) * 0.5
-    in_a = _member(mids, a)
-    in_b = _member(mids, b)
+    in_a = member(mids, a)
+    in_b = member(mids, b)
     if op == "and":
         sel = in_a & in_b
     elif op == "or":
@@ -96,18 +97,24 @@ def covered(a: Intervals, lo, hi) -> np.ndarray:
     hi = np.asarray(hi, dtype=np.float64)
     if len(a) == 0:
         return np.zeros(lo.size)
-    lengths = a.ends - a.starts
-    before = np.concatenate([[0.0], np.cumsum(lengths)])
+    before = np.concatenate([[0.0], np.cumsum(a.ends - a.starts)])
+    return np.maximum(running(a, hi, before) - running(a, lo, before), 0.0)
 
-    def cum(x: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(a.starts, x, side="right") - 1
-        out = np.zeros(x.size)
-        ok = i >= 0
-        ii = i[ok]
-        out[ok] = before[ii] + np.minimum(x[ok], a.ends[ii]) - a.starts[ii]
+
+def running(a: Intervals, x, before: np.ndarray | None = None) -> np.ndarray:
+    """Length of `a` up to each x (covered() is its difference between two points); before: the
+    running sum of a's lengths, [0, l0, l0 + l1, ...], when already at hand."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.zeros(x.size)
+    if len(a) == 0:
         return out
-
-    return np.maximum(cum(hi) - cum(lo), 0.0)
+    if before is None:
+        before = np.concatenate([[0.0], np.cumsum(a.ends - a.starts)])
+    i = np.searchsorted(a.starts, x, side="right") - 1
+    ok = i >= 0
+    ii = i[ok]
+    out[ok] = before[ii] + np.minimum(x[ok], a.ends[ii]) - a.starts[ii]
+    return out
 
 
 def clip(a: Intervals, lo: float, hi: float) -> Intervals:
