@@ -12,8 +12,8 @@ pipeline passes in), then its events table is cut down to the few events cited a
 evidence. The parent holds timelines and summaries, never a rank's raw JSON, whole
 event table or interval sets (an interval per kernel: their cover, step/cover.py, is what
 it reads), so its memory grows with the steps and collectives, not the trace sizes, and
-the checks' per-rank work runs in parallel. With `--cluster` the same reduction runs on Dask workers next to
-the files (ingest/cluster.py) and only its result travels.
+the checks' per-rank work runs in parallel. With `--cluster` the same reduction runs on
+Dask workers next to the files (ingest/cluster.py) and only its result travels.
 """
 from __future__ import annotations
 
