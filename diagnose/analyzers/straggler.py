@@ -83,13 +83,13 @@ def _together(ctx: Context, groups: tuple[tuple[int, ...], ...]) -> str:
     if sum(map(len, groups)) < 2:
         return ""
 
-    def said(g: tuple[int, ...]) -> str:
+    def on_host(g: tuple[int, ...]) -> str | None:
         host = _one_host(ctx, list(g)) if len(g) > 1 else None
-        return f"every rank of host {host}" if host else f"rank {g[0]}" if len(g) == 1 else f"ranks {rank_ranges(g)}"
+        return f"every rank of host {host}" if host else None
     if len(groups) == 1:
-        host = _one_host(ctx, list(groups[0]))
-        return f" (late together: {f'every rank of host {host}' if host else f'{len(groups[0])} ranks'})"
-    return f" (late by different amounts: {said(groups[0])} most, then {', then '.join(map(said, groups[1:]))})"
+        return f" (late together: {on_host(groups[0]) or f'{len(groups[0])} ranks'})"
+    said = [on_host(g) or (f"rank {g[0]}" if len(g) == 1 else f"ranks {rank_ranges(g)}") for g in groups]
+    return f" (late by different amounts: {said[0]} most, then {', then '.join(said[1:])})"
 
 
 FIX_BY_SOURCE = {

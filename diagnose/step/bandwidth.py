@@ -32,7 +32,7 @@ import pandas as pd
 
 from diagnose.ingest.assemble import Run
 from diagnose.step.breakdown import exposed_comm, waits_by_rank
-from diagnose.step.collectives import KEY, Matched, collectives_table
+from diagnose.step.collectives import KEY, Matched, collectives_table, rows_by_value
 from diagnose.step.intervals import covered, intersect, union
 
 SMALL_MESSAGE_BYTES = 1024**2
@@ -186,17 +186,15 @@ def exposed_per_rank(run: Run, matched: Matched) -> dict[int, dict[tuple[str, st
     c_rank, c_pg = allc["rank"].to_numpy(), allc["pg"].astype(str).to_numpy()
     c_kind = np.array([kinds[n] for n in allc["name"].astype(str)], dtype=object)
     c_start, c_end = allc["arrival"].to_numpy(dtype=float), allc["end"].to_numpy(dtype=float)
-    order = np.argsort(c_rank, kind="stable")
-    first = np.searchsorted(c_rank[order], run.ranks, side="left")
-    last = np.searchsorted(c_rank[order], run.ranks, side="right")
-    for r, a, b in zip(run.ranks, first, last):
+    rows_of = rows_by_value(c_rank, run.ranks)
+    for r in run.ranks:
         tl = run.timelines[r]
         n = len(tl.steps)
         if not n:
             continue
         lo_s, hi_s = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
-        exposed = intersect(exposed_comm(run, matched, r, waits), union(lo_s, hi_s))
-        rows = order[a:b]
+        exposed = intersect(exposed_comm(run, r, waits), union(lo_s, hi_s))
+        rows = rows_of[r]
         rows = rows[np.argsort(c_start[rows], kind="stable")]  # by arrival, ties in table order
         start, end = c_start[rows], c_end[rows]
         # disjoint pieces: each collective from where the earlier ones (by start) had all ended

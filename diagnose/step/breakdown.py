@@ -16,7 +16,7 @@ import numpy as np
 
 from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.model import StepBreakdown
-from diagnose.step.collectives import Matched
+from diagnose.step.collectives import Matched, rows_by_value
 from diagnose.step.cover import column
 from diagnose.step.idle import CLASSES
 from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
@@ -32,22 +32,19 @@ def waits_by_rank(run: Run, matched: Matched) -> dict[int, Intervals]:
     mine = pr[pr["tail_wait"] > 0]
     rank = mine["rank"].to_numpy()
     end, tail = np.minimum(mine["latest"], mine["end"]).to_numpy(), mine["tail_wait"].to_numpy()
-    order = np.argsort(rank, kind="stable")
-    bounds = np.flatnonzero(np.diff(rank[order])) + 1
     out = {}
-    for rows in np.split(order, bounds) if order.size else ():
-        r = int(rank[rows[0]])
+    for r, rows in rows_by_value(rank, [int(x) for x in np.unique(rank)]).items():
         e = end[rows] - run.clock_offsets_us.get(r, 0.0)
         out[r] = union(e - tail[rows], e)
     return out
 
 
-def exposed_comm(run: Run, matched: Matched, rank: int, waits: dict[int, Intervals] | None = None) -> Intervals:
+def exposed_comm(run: Run, rank: int, waits: dict[int, Intervals]) -> Intervals:
     """The rank's communication that compute_breakdown books as exposed_comm: its exposed set
-    (cover.exposed) outside its waits for the last rank alone. For splitting that time further
-    (step/bandwidth.py), on the rank's own clock. waits: waits_by_rank's, when already found."""
+    (cover.exposed) outside its waits for the last rank alone (waits_by_rank's). For splitting
+    that time further (step/bandwidth.py), on the rank's own clock."""
     exposed_set = run.timelines[rank].cover.exposed
-    mine = (waits_by_rank(run, matched) if waits is None else waits).get(rank)
+    mine = waits.get(rank)
     return subtract(exposed_set, mine) if mine is not None and len(mine) else exposed_set
 
 

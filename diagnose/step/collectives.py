@@ -52,6 +52,15 @@ def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + 
                          for c in columns})
 
 
+def rows_by_value(values: np.ndarray, keys: list[int]) -> dict[int, np.ndarray]:
+    """key -> the ascending positions where `values` equals it (empty where none)."""
+    order = np.argsort(values, kind="stable")
+    v = values[order]
+    lo = np.searchsorted(v, keys, side="left")
+    hi = np.searchsorted(v, keys, side="right")
+    return {k: order[a:b] for k, a, b in zip(keys, lo, hi)}
+
+
 def match_collectives(run: Run) -> Matched:
     empty = Matched(pd.DataFrame(columns=KEY + ["rank"]), pd.DataFrame(columns=KEY), 0.0)
     if sum(not tl.collectives.empty for tl in run.timelines.values()) < 2:

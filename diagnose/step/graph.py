@@ -48,7 +48,7 @@ import pandas as pd
 
 from diagnose.ingest.assemble import Run
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
-from diagnose.step.collectives import collectives_table
+from diagnose.step.collectives import collectives_table, rows_by_value
 from diagnose.step.cover import LANE_SETS
 from diagnose.step.intervals import Intervals, covered, intersect, union
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
@@ -129,15 +129,6 @@ def _shift(iv: Intervals, off: float) -> Intervals:
 ALL_COLLECTIVE_COLUMNS = tuple(c for c in COLLECTIVE_COLUMNS if c != "row") + ("rank",)
 
 
-def _rows_by_value(values: np.ndarray, keys: list[int]) -> dict[int, np.ndarray]:
-    """key -> the ascending positions where `values` equals it (empty where none)."""
-    order = np.argsort(values, kind="stable")
-    v = values[order]
-    lo = np.searchsorted(v, keys, side="left")
-    hi = np.searchsorted(v, keys, side="right")
-    return {k: order[a:b] for k, a, b in zip(keys, lo, hi)}
-
-
 def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     """The dependency graph of every profiled step of every loaded rank."""
     allc = collectives_table(run, ALL_COLLECTIVE_COLUMNS)
@@ -172,7 +163,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
 
     blocked_by_rank: dict[int, Intervals] = {}
     comm_wait: dict[int, Intervals] = {}
-    rows_of = _rows_by_value(c_rank, run.ranks)  # each rank's collective rows, found once (not a scan per rank)
+    rows_of = rows_by_value(c_rank, run.ranks)  # each rank's collective rows, found once (not a scan per rank)
     for r in run.ranks:
         tl = run.timelines[r]
         off = run.clock_offsets_us.get(r, 0.0)
@@ -255,7 +246,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     lane_prev = np.full(n, -1, dtype=np.int64)
     lane_parts = np.zeros((n, len(PARTS)))
     order_prev = np.full(n, -1, dtype=np.int64)
-    nodes_of = _rows_by_value(rank, run.ranks)  # in time order within each rank
+    nodes_of = rows_by_value(rank, run.ranks)  # in time order within each rank
     for r in run.ranks:
         mine = nodes_of[r]
         lane = mine[kind[mine] != COLL_END]
