@@ -194,21 +194,36 @@ def pytest_configure(config):
         tr.showfspath = True
 
 
-def kept_once(loaded) -> None:
-    """Every rank's repeated op names and file metadata are one object in the parent (#20: the
-    client's memory per rank; checked by identity, not by equality)."""
+def kept_once(loaded, disk: bool = True) -> None:
+    """What the parent keeps of each rank (#20: the client's memory per rank). File metadata is one
+    object for every rank (checked by identity, not by equality). With a disk, what is read once
+    or for a few ranks lies in the spill file (ingest/spill.py); without one, it stays in memory
+    and the ranks' repeated op names are one object each."""
+    from diagnose.ingest.spill import Spilled, SpilledMap
+
     ok = [x for x in loaded if x.trace is not None]
     assert len(ok) >= 2
-    first = {n: n for n, _, _ in ok[0].facts["straggler"].ops}
-    common = 0
     for x in ok[1:]:
         assert x.trace.meta["deviceProperties"] is ok[0].trace.meta["deviceProperties"]
-        for n, _, _ in x.facts["straggler"].ops:
+    on_disk = [(x.facts, x.trace.events, x.idle, x.timeline.collectives, x.timeline.cover.lanes,
+                x.timeline.cover.drawing) for x in ok]
+    assert all(isinstance(f, SpilledMap) == disk and all(isinstance(o, Spilled) == disk for o in rest)
+               for f, *rest in on_disk)
+    if not disk:
+        names_once([x.facts["straggler"] for x in ok])
+        first = {n: n for n, _, _ in ok[0].facts["straggler"].ops}
+        cited = {n: n for x in ok for n in x.trace.events["name"] if n in first}  # one copy of each name seen
+        shared = sum(1 for x in ok for n in x.trace.events["name"] if n in cited and n is cited[n])
+        assert cited and shared == sum(1 for x in ok for n in x.trace.events["name"] if n in cited)
+
+
+def names_once(ops) -> None:
+    """The ranks' op summaries (why_late.RankOps) share each name they repeat: one object."""
+    first = {n: n for n, _, _ in ops[0].ops}
+    common = 0
+    for o in ops[1:]:
+        for n, _, _ in o.ops:
             if n in first:
                 assert n is first[n]
                 common += 1
     assert common > 100  # the eight DLRM ranks run the same kernels
-    cited = {n: n for x in ok for n in x.trace.events["name"] if n in first}  # one copy of each name seen
-    shared = sum(1 for x in ok for n in x.trace.events["name"] if n in cited and n is cited[n])
-    assert cited and shared == sum(1 for x in ok for n in x.trace.events["name"] if n in cited)
-

@@ -37,8 +37,8 @@ def test_cover_answers_as_the_sets_do(name):
     # resuming at a collective's end): what covered() of the sets gives there
     gaps = idle_sets(m, float(lo.min()), float(hi.max()))
     lane = [dl_free, *[subtract(s, dl_free) for s in gaps], tl.input_copies]
-    a, b = cov.points[:-1], cov.points[1:]
-    for a_, b_ in ((a, b), (cov.points[:1].repeat(b.size), b), (a, a + 0.4)):
+    a, b = cov.lanes.points[:-1], cov.lanes.points[1:]
+    for a_, b_ in ((a, b), (cov.lanes.points[:1].repeat(b.size), b), (a, a + 0.4)):
         got = cov.lane_parts(a_ + 7.0, b_ + 7.0, 7.0)  # on a clock 7 us ahead
         want = np.stack([covered(s, a_, b_) for s in lane], axis=1)
         assert got.shape == (a_.size, len(LANE_SETS)) and np.allclose(got, want, rtol=0, atol=1e-6)
@@ -81,15 +81,16 @@ def test_what_travels_per_rank_does_not_grow_with_the_kernels(tmp_path):
         x = load_one((str(p), DEFAULT_MAX_BYTES, reduce_rank))
         assert x.error is None and x.timeline.compute is None  # the sets stay where the trace was read
         cov, tl = x.timeline.cover, x.timeline
-        assert cov.points.size <= 2 * len(tl.steps) + len(tl.collectives) + len(cov.exposed)
+        assert cov.lanes.points.size <= 2 * len(tl.steps) + len(tl.collectives) + len(cov.exposed)
         whole = len(pickle.dumps(x, protocol=4))
         # what is indexed by the stretches of exposed communication, which compute kernels running
         # beside a collective cut up (the step graph has a point at each), apart
         x.timeline = dataclasses.replace(tl, cover=dataclasses.replace(
-            cov, exposed=Intervals.empty(), points=np.empty(0), cum=np.zeros((0, 0)), inside=np.zeros((0, 0), bool)))
+            cov, exposed=Intervals.empty(), lanes=dataclasses.replace(
+                cov.lanes, points=np.empty(0), cum=np.zeros((0, 0)), inside=np.zeros((0, 0), bool))))
         rest.append(len(pickle.dumps(x, protocol=4)))
         stretch.append(whole - rest[-1])
-        points.append(cov.points.size)
+        points.append(cov.lanes.points.size)
         kernels.append(sum(1 for e in orjson.loads(p.read_bytes())["traceEvents"] if e.get("cat") == "kernel"))
     assert kernels[1] > 4 * kernels[0]
     assert rest[1] == rest[0]  # everything else: per step and per collective, whatever the kernels

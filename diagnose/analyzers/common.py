@@ -30,7 +30,8 @@ def confidence_for(ctx, base: str = "high") -> str:
 def idle_completeness(ctx, th) -> list[str]:
     """Per-rank completeness notes of the idle model (diagnose/step/idle.py), "rank r: ..." (at most
     three): a check that reads idle classes lowers its confidence to low when any applies."""
-    notes = [f"rank {r}: {n}" for r, m in sorted(ctx.run.idle.items()) if isinstance(m, IdleModel)
+    idle = ctx.run.idle  # each model read back from disk (ingest/assemble.Keep): one at a time
+    notes = [f"rank {r}: {n}" for r in sorted(idle) if isinstance(m := idle[r], IdleModel)
              for n in completeness(m, th)]
     return notes[:3] + ([f"and {len(notes) - 3} more"] if len(notes) > 3 else [])
 

@@ -107,7 +107,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
             metrics["comm_share_of_device_time"] = f"{min(comm_share):.0%}-{max(comm_share):.0%}"
     # evidence: the longest collectives on the rank with the most exposed communication
     worst = int(exposed.idxmax())
-    c = run.timelines[worst].collectives
+    c = run.timelines[worst].own_collectives()
     longest = c.assign(d=c["end"] - c["arrival"]).nlargest(5, "d")
     refs = tuple(ctx.event_ref(worst, int(row), "collective") for row in longest["row"])
     ranks = tuple(int(r) for r in exposed[exposed / ctx.per_rank_mean("step_ms") >= th.communication].index)

@@ -12,14 +12,15 @@ pipeline passes in), then its events table is cut down to the few events cited a
 evidence. The parent holds timelines and summaries, never a rank's raw JSON, whole
 event table or interval sets (an interval per kernel: their cover, step/cover.py, is what
 it reads), so its memory grows with the steps and collectives, not the trace sizes, and
-the checks' per-rank work runs in parallel. With `--cluster` the same reduction runs on
+the checks' per-rank work runs in parallel. What it reads once, or for a few ranks, it keeps on
+disk as each rank arrives (Keep, ingest/spill.py). With `--cluster` the same reduction runs on
 Dask workers next to the files (ingest/cluster.py) and only its result travels.
 """
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
@@ -32,7 +33,7 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
-from diagnose.ingest.spill import Spill
+from diagnose.ingest.spill import Spill, Spilled, Unspilling
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
 from diagnose.step.timeline import RankTimeline, build_timeline, gather_collectives
@@ -70,10 +71,12 @@ class Run:
     """Added to each rank's timestamps to put it on rank-reference time."""
     warnings: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    facts: dict[int, dict[str, object]] = field(default_factory=dict)
-    """Per rank, each check's per-rank summary (or ReduceFailed), when loaded with a reduction."""
-    idle: dict[int, IdleModel | ReduceFailed] = field(default_factory=dict)
-    """GPU ranks: the idle model (diagnose/step/idle.py), or why it could not be built."""
+    facts: dict[int, Mapping[str, object]] = field(default_factory=dict)
+    """Per rank, each check's per-rank summary (or ReduceFailed), when loaded with a reduction;
+    read from disk at each lookup (Keep)."""
+    idle: Mapping[int, IdleModel | ReduceFailed] = field(default_factory=dict)
+    """GPU ranks: the idle model (diagnose/step/idle.py), or why it could not be built; read from
+    disk at each lookup (Keep)."""
     collectives: dict[str, np.ndarray] | None = None
     """Every rank's collectives inside its steps as column arrays, read from the timelines once
     when the run is assembled (step/timeline.gather_collectives; None: read them when needed)."""
@@ -101,8 +104,11 @@ class Loaded:
     trace: RankTrace | None = None
     timeline: RankTimeline | None = None
     error: str | None = None
-    facts: dict[str, object] = field(default_factory=dict)
-    idle: IdleModel | ReduceFailed | None = None
+    facts: Mapping[str, object] = field(default_factory=dict)
+    """Each check's per-rank summary (on disk in the parent: Keep)."""
+    idle: IdleModel | ReduceFailed | Spilled | None = None
+    reduced: bool = False
+    """The checks' per-rank reductions ran: the events table holds only the cited events."""
 
 
 @runtime_checkable
@@ -116,12 +122,17 @@ class SharesText(Protocol):
 class Keep:
     """How the parent keeps each rank's result as it arrives (#20: the client's peak should not
     grow with the rank count):
-    - what ranks repeat, once: each rank's op names and file metadata are swapped for the first
-      equal copy seen. Every rank's result is unpickled into objects of its own; at 1,024 ranks
-      their identical kernel names and device properties were most of the client's memory;
-    - its mini timeline on disk (ingest/spill.py): only the report reads it, for 16 ranks;
-    - its small tables' column labels, once: each rank's steps, collectives and cited events
-      carry the same labels, an Index of ~1.2 KB each (a 1-row steps table held 3.5 KB)."""
+    - on disk (ingest/spill.py), what is read once or for a few ranks: the mini timeline (the
+      report draws 16 ranks), the step graph's lanes (read once), and after a reduction the
+      checks' per-rank summaries (each check reads its own), the idle model (the breakdown), the
+      rank's collectives (the run's assembly gathers them: Run.collectives) and the cited events
+      (the events findings cite);
+    - what ranks repeat, once: each rank's file metadata is swapped for the first equal copy
+      seen (every rank's result is unpickled into objects of its own; at 1,024 ranks identical
+      device properties were much of the client's memory);
+    - its steps table's column labels, once: an Index of ~1.2 KB a rank.
+    Where the disk is not to be had, the summaries' op names and the tables' labels are shared
+    across ranks instead."""
 
     texts: dict[str, str] = field(default_factory=dict)
     values: dict[str, object] = field(default_factory=dict)
@@ -133,23 +144,40 @@ class Keep:
         df.columns = self.labels.setdefault(key, df.columns)  # an Index is immutable: one serves all
         return df
 
+    def _frame(self, df: pd.DataFrame, reduced: bool) -> pd.DataFrame | Spilled:
+        out = self.spill.put(df) if reduced else df
+        return self._labels(df) if out is df else out
+
     def take(self, x: Loaded) -> Loaded:
+        """Without a reduction (every event kept, for tools that read them) only the drawing and
+        the lanes go to disk."""
         if x.timeline is not None:
             cover = x.timeline.cover
             x.timeline = replace(x.timeline, steps=self._labels(x.timeline.steps),
-                                 collectives=self._labels(x.timeline.collectives),
-                                 cover=replace(cover, drawing=self.spill.put(cover.drawing)) if cover else None)
+                                 collectives=self._frame(x.timeline.collectives, x.reduced),
+                                 cover=replace(cover, lanes=self.spill.put(cover.lanes),
+                                               drawing=self.spill.put(cover.drawing)) if cover else None)
         if x.trace is not None:
             # metadata is read, never written, after loading: one copy can serve every rank
             x.trace.meta = {k: self.values.setdefault(json.dumps(v, sort_keys=True, default=str), v)
                             for k, v in x.trace.meta.items()}
-            ev = x.trace.events  # the cited events' names: the same on every rank
-            if "name" in ev and ev["name"].dtype == object:  # cited events only: a full table's are categorical
-                names = [self.texts.setdefault(v, v) if isinstance(v, str) else v for v in ev["name"]]
-                x.trace.events = cited_frame(ev.assign(name=pd.Series(names, index=ev.index, dtype=object)))
-            x.trace.events = self._labels(x.trace.events)
-        x.facts = {k: (v.shared(self.texts) if isinstance(v, SharesText) else v) for k, v in x.facts.items()}
+            if x.reduced:
+                ev = self.spill.put(x.trace.events)
+                x.trace.events = ev if isinstance(ev, Spilled) else self._labels(self._cited_names(ev))
+        if x.idle is not None and x.reduced:
+            x.idle = self.spill.put(x.idle)
+        facts = self.spill.put_map(x.facts) if x.reduced else x.facts
+        if facts is x.facts:
+            facts = {k: (v.shared(self.texts) if isinstance(v, SharesText) else v) for k, v in x.facts.items()}
+        x.facts = facts
         return x
+
+    def _cited_names(self, ev: pd.DataFrame) -> pd.DataFrame:
+        """The cited events' names, the same on every rank, shared (what stays in memory without a disk)."""
+        if "name" in ev and ev["name"].dtype == object:
+            names = [self.texts.setdefault(v, v) if isinstance(v, str) else v for v in ev["name"]]
+            return cited_frame(ev.assign(name=pd.Series(names, index=ev.index, dtype=object)))
+        return ev
 
 
 def load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
@@ -170,7 +198,7 @@ def load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
             timeline = timeline.for_parent()
             if isinstance(gaps, IdleModel):
                 gaps = gaps.for_parent()
-        return Loaded(Path(path), trace, timeline, facts=facts, idle=gaps)
+        return Loaded(Path(path), trace, timeline, facts=facts, idle=gaps, reduced=reduce is not None)
     except DiagnoseError as exc:
         return Loaded(Path(path), error=str(exc))
     except MemoryError:
@@ -300,7 +328,7 @@ def _align_clocks(run_tl: dict[int, RankTimeline], traces: dict[int, RankTrace],
     if len(known) <= 1 and all(isinstance(h, str) for h in hosts.values()):
         return offsets
     ref = min(run_tl)
-    ref_c = run_tl[ref].collectives.set_index(["step", "pg", "seq"])["end"]
+    ref_c = run_tl[ref].own_collectives().set_index(["step", "pg", "seq"])["end"]
     if ref_c.empty:
         if len(known) > 1:
             warnings.append("ranks on several hosts and no collectives to align their clocks on: "
@@ -309,7 +337,7 @@ def _align_clocks(run_tl: dict[int, RankTimeline], traces: dict[int, RankTrace],
     for r, tl in run_tl.items():
         if r == ref or (isinstance(hosts[r], str) and hosts[r] == hosts[ref]):
             continue
-        mine = tl.collectives.set_index(["step", "pg", "seq"])["end"]
+        mine = tl.own_collectives().set_index(["step", "pg", "seq"])["end"]
         joined = pd.concat([ref_c.rename("ref"), mine.rename("me")], axis=1, join="inner")
         if len(joined) == 0:
             continue
@@ -401,7 +429,7 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     run = Run(traces={r: by_rank[r] for r in timelines}, timelines=timelines, world_size=world,
               backend=next(iter(backends)) if len(backends) == 1 else None, clock_offsets_us={},
               warnings=warnings, skipped=skipped, facts={r: facts_of[id(by_rank[r])] for r in timelines},
-              idle={r: idle_of[id(by_rank[r])] for r in timelines if idle_of[id(by_rank[r])] is not None})
+              idle=Unspilling({r: idle_of[id(by_rank[r])] for r in timelines if idle_of[id(by_rank[r])] is not None}))
     run.clock_offsets_us = _align_clocks(timelines, run.traces, warnings)
     run.collectives = gather_collectives(timelines)
     if run.missing_ranks:

@@ -41,6 +41,7 @@ from diagnose.ingest.columns import (  # the vocabulary every stage uses, re-exp
 from diagnose.ingest.discover import rank_from_name
 from diagnose.ingest.jsonsafe import clean_str
 from diagnose.ingest.source import ReadState, iter_blocks
+from diagnose.ingest.spill import Spilled
 from diagnose.ingest.stream import parse_stream
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
@@ -61,7 +62,9 @@ class RankTrace:
     """'distributedInfo', 'file name' or 'assumed'."""
     meta: dict
     """Top-level keys other than traceEvents (distributedInfo, deviceProperties, ...)."""
-    events: pd.DataFrame
+    events: pd.DataFrame | Spilled
+    """In the parent after the checks' per-rank reductions: the events cited as evidence, on disk
+    (ingest/assemble.Keep; a Spilled, read back by Context.event_ref)."""
     comm_args: pd.DataFrame | None
     """Args of collective-describing events (and the input types of matrix ops: columns.MATRIX_OPS),
     indexed like `events`. None after the checks' per-rank reductions: only they read it, and an

@@ -1,11 +1,17 @@
 """What the parent keeps on disk rather than in memory while it analyses a run.
 
-Each rank's mini timeline (step/cover.py's Drawing: the longest intervals of each lane, every
-step) is most of what a GPU rank brings back (96 of 113 KiB for a 26 MB ResNet-50 rank), yet the
-report draws 16 ranks at most, after the checklist. So each arriving rank's drawing is written to
-one anonymous temporary file (unlinked at once on POSIX, gone with the run) and read back only
-for the ranks drawn (#20: the client's memory per rank). Where no temporary file can be made, it
-stays in memory: the analysis never depends on the disk.
+What a rank brings back that the analysis reads once, or for a few ranks only, is written to one
+anonymous temporary file (unlinked at once on POSIX, gone with the run) as it arrives and read
+back when needed (#20: the client's memory should not grow with the rank count):
+- the mini timeline (step/cover.py's Drawing): most of a GPU rank's result (96 of 113 KiB for a
+  26 MB ResNet-50 rank), drawn for 16 ranks at most, after the checklist;
+- after the checks' per-rank reductions: their summaries (each read by its own check;
+  SpilledMap), the idle model (read by the breakdown), the step graph's lanes (read once), the
+  cited events (read for the events a finding cites) and the rank's collectives (read when the
+  run is assembled). Together they took a replicated DLRM rank in the parent from 32.6 to 12.5 KB,
+  mostly pandas' and Python's per-object cost, not data (ingest/assemble.Keep).
+Where no temporary file can be made, everything stays in memory: the analysis never depends on
+the disk.
 
 The file holds only what this process pickled itself, never input from a trace file as such.
 """
@@ -13,8 +19,15 @@ from __future__ import annotations
 
 import pickle
 import tempfile
+from array import array
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
+
+
+PROTOCOL = 4
+"""Not 5: a small numpy array unpickled from protocol 5 keeps a buffer object of its own beside it
+(an idle model read back held 9.9 KB against 2.6 KB from protocol 4)."""
 
 
 class Spill:
@@ -23,12 +36,34 @@ class Spill:
     def __init__(self) -> None:
         self._file: IO[bytes] | None = None
         self._broken = False
+        self._keys: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple for the ranks' equal keys
 
     def put(self, obj: Any) -> Any:
         """A handle to read `obj` back (Spilled), or `obj` itself where the disk is not to be had."""
         if self._broken:
             return obj
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(obj, protocol=PROTOCOL)
+        at = self._append(data)
+        return obj if at is None else Spilled(self, at, len(data))
+
+    def put_map(self, d: dict[str, Any]) -> Mapping[str, Any]:
+        """A mapping that reads each value back when looked up (SpilledMap), or `d` itself where
+        the disk is not to be had."""
+        if self._broken or not d:
+            return d
+        blobs = [pickle.dumps(v, protocol=PROTOCOL) for v in d.values()]
+        ends = array("Q")
+        n = 0
+        for b in blobs:
+            n += len(b)
+            ends.append(n)
+        at = self._append(b"".join(blobs))
+        if at is None:
+            return d
+        keys = tuple(d)
+        return SpilledMap(self, self._keys.setdefault(keys, keys), at, ends)
+
+    def _append(self, data: bytes) -> int | None:
         try:
             if self._file is None:
                 self._file = tempfile.TemporaryFile(prefix="diagnose-spill-")
@@ -36,8 +71,8 @@ class Spill:
             self._file.write(data)
         except OSError:
             self._broken = True
-            return obj
-        return Spilled(self, at, len(data))
+            return None
+        return at
 
     def read(self, at: int, size: int) -> bytes:
         assert self._file is not None
@@ -61,3 +96,46 @@ class Spilled:
 def unspilled(x: Any) -> Any:
     """x itself, or what it stands for when spilled."""
     return x.load() if isinstance(x, Spilled) else x
+
+
+class SpilledMap(Mapping):
+    """A dict whose values lie back to back in a spill: each lookup reads one value back, a fresh
+    copy (what the parent reads of a rank is never written). Per object it holds a key shared by
+    the ranks and 8 bytes: one Spilled per value was about 120 bytes, 1.8 KB a rank for 15 checks."""
+
+    __slots__ = ("_spill", "_keys", "_at", "_ends")
+
+    def __init__(self, spill: Spill, keys: tuple[str, ...], at: int, ends: array) -> None:
+        self._spill, self._keys, self._at, self._ends = spill, keys, at, ends
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            i = self._keys.index(key)
+        except ValueError:
+            raise KeyError(key) from None
+        lo = self._ends[i - 1] if i else 0
+        return pickle.loads(self._spill.read(self._at + lo, self._ends[i] - lo))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class Unspilling(Mapping):
+    """A dict whose values may be Spilled, read back on lookup (each rank's idle model in Run.idle)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict) -> None:
+        self._d = d
+
+    def __getitem__(self, key: Any) -> Any:
+        return unspilled(self._d[key])
+
+    def __iter__(self) -> Iterator:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)

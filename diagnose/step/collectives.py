@@ -63,7 +63,7 @@ def rows_by_value(values: np.ndarray, keys: list[int]) -> dict[int, np.ndarray]:
 
 def match_collectives(run: Run) -> Matched:
     empty = Matched(pd.DataFrame(columns=KEY + ["rank"]), pd.DataFrame(columns=KEY), 0.0)
-    if sum(not tl.collectives.empty for tl in run.timelines.values()) < 2:
+    if sum(not tl.own_collectives().empty for tl in run.timelines.values()) < 2:
         return empty
     allc = collectives_table(run)
     counts = allc.groupby(KEY)["rank"].transform("size")

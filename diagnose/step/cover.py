@@ -15,7 +15,8 @@ stretches of exposed communication:
   hta_nccl_data_rank0of2_a100), and the step graph looks at each;
 - the step graph's lane parts (DataLoader wait, each idle class, pageable input copies) as
   cumulative coverage at every point a lane can have there (step bounds, collective arrivals,
-  ends of exposed stretches), so the graph gets each lane edge's composition by difference;
+  ends of exposed stretches), so the graph gets each lane edge's composition by difference
+  (`Lanes`: on disk in the parent until the graph reads it);
 - `drawing`: the report's mini timeline of each step (the longest MAX_DRAWN intervals a lane).
 
 Built once per rank (`rank_cover`) where the trace is read, before the sets are dropped from what
@@ -72,22 +73,44 @@ class Drawing:
 
 
 @dataclass(frozen=True, slots=True)
+class Lanes:
+    """The step graph's lane parts of one rank, measured at its lane points."""
+
+    points: np.ndarray
+    """Lane points (file clock, sorted): where `cum` is measured."""
+    cols: np.ndarray
+    """The LANE_SETS this rank has any time in (most ranks have a few idle classes): cum's columns."""
+    cum: np.ndarray
+    """(points, len(cols)): each such set's coverage up to each point (intervals.running, whose
+    differences are covered() between points)."""
+    inside: np.ndarray
+    """(points, len(cols)): the set covers the moment just after the point (how a query a
+    fraction of a microsecond past a point, a lane resuming at a collective's end, continues)."""
+
+    def parts(self, a: np.ndarray, b: np.ndarray, offset: float) -> np.ndarray:
+        """(len(a), len(LANE_SETS)): each lane set's time between a[i] and b[i] (aligned clock:
+        `offset` added to this rank's times)."""
+        a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+        out = np.zeros((a.size, len(LANE_SETS)))
+        if self.cols.size:
+            out[:, self.cols] = np.maximum(self._at(b - offset) - self._at(a - offset), 0.0)
+        return out
+
+    def _at(self, x: np.ndarray) -> np.ndarray:
+        i = np.clip(np.searchsorted(self.points, x + POINT_SLACK_US, side="right") - 1, 0, None)
+        dt = np.maximum(x - self.points[i], 0.0)
+        return self.cum[i] + self.inside[i] * dt[:, None]
+
+
+@dataclass(frozen=True, slots=True)
 class RankCover:
     per_step: np.ndarray
     """(steps, len(STEP_SETS)): us of each set inside each step (the timeline's step rows)."""
     counts: dict[str, int]
     """Intervals in each set (is there any communication, any DataLoader span)."""
     exposed: Intervals
-    points: np.ndarray
-    """Lane points (file clock, sorted): where `cum` is measured."""
-    lane_cols: np.ndarray
-    """The LANE_SETS this rank has any time in (most ranks have a few idle classes): cum's columns."""
-    cum: np.ndarray
-    """(points, len(lane_cols)): each such set's coverage up to each point (intervals.running, whose
-    differences are covered() between points)."""
-    inside: np.ndarray
-    """(points, len(lane_cols)): the set covers the moment just after the point (how a query a
-    fraction of a microsecond past a point, a lane resuming at a collective's end, continues)."""
+    lanes: Lanes | Spilled
+    """In the parent, on disk until the step graph reads it, once (ingest/spill.py): use `lane_parts`."""
     drawing: Drawing | Spilled
     """In the parent, on disk until the report draws the rank (ingest/spill.py): use `drawn()`."""
 
@@ -95,18 +118,8 @@ class RankCover:
         return unspilled(self.drawing)
 
     def lane_parts(self, a: np.ndarray, b: np.ndarray, offset: float) -> np.ndarray:
-        """(len(a), len(LANE_SETS)): each lane set's time between a[i] and b[i] (aligned clock:
-        `offset` added to this rank's times)."""
-        a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-        out = np.zeros((a.size, len(LANE_SETS)))
-        if self.lane_cols.size:
-            out[:, self.lane_cols] = np.maximum(self._at(b - offset) - self._at(a - offset), 0.0)
-        return out
-
-    def _at(self, x: np.ndarray) -> np.ndarray:
-        i = np.clip(np.searchsorted(self.points, x + POINT_SLACK_US, side="right") - 1, 0, None)
-        dt = np.maximum(x - self.points[i], 0.0)
-        return self.cum[i] + self.inside[i] * dt[:, None]
+        """Lanes.parts of this rank's lanes."""
+        return unspilled(self.lanes).parts(a, b, offset)
 
 
 def exposed_set(tl: RankTimeline) -> Intervals:
@@ -173,7 +186,7 @@ def rank_cover(tl: RankTimeline, m: IdleModel | ReduceFailed | None) -> RankCove
     else:
         points, cols, cum, inside = np.empty(0), np.empty(0, dtype=np.int64), np.zeros((0, 0)), np.zeros((0, 0), dtype=bool)
     return RankCover(per_step=per_step, counts={"comm": len(tl.comm), "dataloader": len(tl.dataloader)},
-                     exposed=exposed, points=points, lane_cols=cols, cum=cum, inside=inside,
+                     exposed=exposed, lanes=Lanes(points=points, cols=cols, cum=cum, inside=inside),
                      drawing=_drawing(tl, m, lo, hi))
 
 

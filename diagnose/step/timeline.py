@@ -35,6 +35,7 @@ from diagnose.ingest.load import (
     KIND_RUNTIME,
     RankTrace,
 )
+from diagnose.ingest.spill import Spilled, unspilled
 from diagnose.step.intervals import Intervals, merge, subtract, union
 
 if TYPE_CHECKING:  # cover.py reads the idle model, which reads timelines
@@ -119,8 +120,10 @@ class RankTimeline:
     dataloader: Intervals | None
     host_busy: Intervals | None
     """CPU ops on the training threads (GPU traces: the host side that launches work)."""
-    collectives: pd.DataFrame
-    """One row per collective instance on this rank, in order (COLLECTIVE_COLUMNS)."""
+    collectives: pd.DataFrame | Spilled
+    """One row per collective instance on this rank, in order (COLLECTIVE_COLUMNS). On disk in the
+    parent (ingest/assemble.Keep): read it with `own_collectives()`; the analysis reads the run's
+    (Run.collectives), gathered from these once."""
     comm_threads: frozenset[str]
     """Thread ids that only run communication (gloo's runloop threads)."""
     compiled: Intervals | None
@@ -135,6 +138,9 @@ class RankTimeline:
     them (`device_steps`), not by the host's step spans."""
     cover: RankCover | None = None
     """What the parent reads of the interval sets (step/cover.py); set where the trace is read."""
+
+    def own_collectives(self) -> pd.DataFrame:
+        return unspilled(self.collectives)
 
     def for_parent(self) -> RankTimeline:
         """The timeline as the parent keeps it once the per-rank reductions have read its sets."""
@@ -349,7 +355,7 @@ def gather_collectives(timelines: dict[int, RankTimeline]) -> dict[str, np.ndarr
     cols = COLLECTIVE_COLUMNS + ("rank", "dur")
     parts: dict[str, list[np.ndarray]] = {c: [] for c in cols}
     for r in sorted(timelines):
-        c = timelines[r].collectives
+        c = timelines[r].own_collectives()
         keep = c["step"].to_numpy() >= 0
         if not keep.any():
             continue
