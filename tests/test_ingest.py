@@ -347,7 +347,8 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
         # only what the parent reads of a cited event, and one block per type
         assert list(kept.columns) == ["name", "ts", "dur"] and kept["name"].dtype == object
         assert len(kept._mgr.blocks) == 2 and len(collectives._mgr.blocks) == 3
-        assert run.traces[r].comm_args is None  # only the reductions read the args
+        assert run.traces[r].comm_args is None  # only the reductions read the args,
+        assert run.traces[r].thread_names == {} and tl.comm_threads == frozenset()  # and the threads
         # the idle model keeps its per-step sums, not its gaps (one per kernel boundary), and the
         # timeline none of its interval sets: the parent reads their cover, the same as a full load's
         mine, whole = run.idle[r], full.idle[r]
@@ -363,6 +364,10 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
             assert np.array_equal(getattr(mine, c), getattr(whole, c)), c
         # the steps table's column labels, one copy for every rank (~1.2 KB each)
         assert tl.steps.columns is run.timelines[run.ranks[0]].steps.columns
+    # the run's collectives, gathered from the ranks' tables read back from disk: each text once
+    for col in ("name", "pg"):
+        texts = {v: v for v in run.collectives[col]}
+        assert all(v is texts[v] for v in run.collectives[col]) and len(texts) < len(run.collectives[col]) / 8
 
 
 @pytest.mark.parametrize("parallel", [False, True])

@@ -53,7 +53,7 @@ def fix_one_bucket(cap_mb: float, largest_mb: float) -> str:
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     run = ctx.run
-    has_comm = any(tl.cover.counts["comm"] for tl in run.timelines.values())
+    has_comm = any(tl.cover.n_comm for tl in run.timelines.values())
     if not has_comm:
         if (run.world_size or 1) <= 1:
             return [passed(ID, TITLE, "single process (world size 1): no communication")]

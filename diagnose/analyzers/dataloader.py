@@ -62,7 +62,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
 
 def _dataloader(ctx: Context, th: Thresholds) -> Check:
     run = ctx.run
-    if all(tl.cover.counts["dataloader"] == 0 for tl in run.timelines.values()):
+    if all(tl.cover.n_dataloader == 0 for tl in run.timelines.values()):
         return not_measurable("dataloader_starvation", TITLE,
                               "no enumerate(DataLoader) events in the trace (custom input pipeline, or "
                               "the loop does not iterate a DataLoader inside the profiled steps)")

@@ -237,10 +237,12 @@ def cited_frame(events: pd.DataFrame) -> pd.DataFrame:
 
 def _keep_only(trace: RankTrace, rows: set[int]) -> None:
     """Cut the events table down to the rows cited as evidence, and to what the parent reads of them
-    (the collectives' args: nothing, the timeline holds their bytes and groups)."""
+    (the collectives' args and the thread names: nothing; the timeline holds the collectives'
+    bytes and groups)."""
     keep = trace.events.index.intersection(sorted(rows))
     trace.events = cited_frame(trace.events.loc[keep])
     trace.comm_args = None
+    trace.thread_names = {}
 
 
 def _size(f: Path) -> int:

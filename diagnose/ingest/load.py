@@ -70,6 +70,7 @@ class RankTrace:
     indexed like `events`. None after the checks' per-rank reductions: only they read it, and an
     empty frame still costs the parent ~3 KB a rank (#20)."""
     thread_names: dict[str, str]
+    """'pid:tid' -> the thread's name (M events). Empty after the checks' per-rank reductions."""
     flows: int = 0
     """Flow events ('s'/'f'): their absence in a GPU trace suggests sampled or filtered events."""
     dropped: int = 0

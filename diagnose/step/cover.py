@@ -106,8 +106,9 @@ class Lanes:
 class RankCover:
     per_step: np.ndarray
     """(steps, len(STEP_SETS)): us of each set inside each step (the timeline's step rows)."""
-    counts: dict[str, int]
-    """Intervals in each set (is there any communication, any DataLoader span)."""
+    n_comm: int
+    """Intervals in the communication set (is there any communication)."""
+    n_dataloader: int
     exposed: Intervals
     lanes: Lanes | Spilled
     """In the parent, on disk until the step graph reads it, once (ingest/spill.py): use `lane_parts`."""
@@ -185,7 +186,7 @@ def rank_cover(tl: RankTimeline, m: IdleModel | ReduceFailed | None) -> RankCove
             else np.zeros((points.size, 0), dtype=bool)
     else:
         points, cols, cum, inside = np.empty(0), np.empty(0, dtype=np.int64), np.zeros((0, 0)), np.zeros((0, 0), dtype=bool)
-    return RankCover(per_step=per_step, counts={"comm": len(tl.comm), "dataloader": len(tl.dataloader)},
+    return RankCover(per_step=per_step, n_comm=len(tl.comm), n_dataloader=len(tl.dataloader),
                      exposed=exposed, lanes=Lanes(points=points, cols=cols, cum=cum, inside=inside),
                      drawing=_drawing(tl, m, lo, hi))
 

@@ -150,6 +150,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     # a Python number per cell, ~4x the memory (#20: the build of this graph sets the client's peak)
     cols: dict[str, array] = {k: array("d" if k in ("time", "transfer") else "q")
                               for k in ("rank", "kind", "time", "step", "seg", "group", "transfer", "ref")}
+    # ref: the collective row a RESUME waited for, a COLL_END's own
     # segment ids: a stable code per (kind, step, pg, seq) so ranks' segments line up
     seg_codes: dict[tuple, int] = {}
     after_rows: set[int] = set()  # RESUME rows that wait for a last arrival, not an end
@@ -178,7 +179,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         for i in mine:
             st, gi = int(c_step[i]), int(c_group[i])
             add(r, ARRIVAL, float(c_arr[i]), st, ("arr", st, c_pg[i], int(c_seq[i])), gi)
-            add(r, COLL_END, float(c_end[i]), st, None, gi, transfer=float(c_end[i] - latest[i]))
+            add(r, COLL_END, float(c_end[i]), st, None, gi, transfer=float(c_end[i] - latest[i]), ref=int(i))
         # resume points: the end of each blocked stretch inside the steps
         win = union(lo, hi)
         bl = Intervals(np.maximum(blocked.starts, win.starts.min()), np.minimum(blocked.ends, win.ends.max()))
@@ -223,20 +224,19 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     transfer = np.asarray(cols["transfer"], dtype=float)[order]
     after_arrival = np.isin(order, list(after_rows))
     n = time.size
+    del cols  # the graph's build sets the client's peak (#20): what is done with goes at once
 
-    # COLL_END node of each (collective row): to link resumes and stream order
-    end_node_of_row = {}
-    coll_rows = {(int(r), int(gi)): i for i, (r, gi) in enumerate(zip(c_rank, c_group))}
-    for v in np.flatnonzero(kind == COLL_END):
-        i = coll_rows[(int(rank[v]), int(group[v]))]
-        end_node_of_row[i] = v
+    # COLL_END node of each collective row (its ref): to link resumes
+    ends = np.flatnonzero(kind == COLL_END)
+    end_node_of_row = np.full(len(c_rank), -1, dtype=np.int64)
+    end_node_of_row[ref[ends]] = ends
     resume_of = np.full(n, -1, dtype=np.int64)
     lag = np.zeros(n)
     res = np.flatnonzero(kind == RESUME)
     group_latest = np.full(len(keys), -np.inf)
     np.maximum.at(group_latest, c_group, c_arr)
     for v in res:
-        e = end_node_of_row[int(ref[v])]
+        e = int(end_node_of_row[ref[v]])
         resume_of[v] = e
         # after-arrival resumes keep how long before the transfer's end the lane went on (<= 0): the
         # replay places them at the last arrival plus the (edited) transfer less that
