@@ -348,7 +348,7 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
         assert list(kept.columns) == ["name", "ts", "dur"] and kept["name"].dtype == object
         assert len(kept._mgr.blocks) == 2 and len(collectives._mgr.blocks) == 3
         assert run.traces[r].comm_args is None  # only the reductions read the args,
-        assert run.traces[r].thread_names == {} and tl.comm_threads == frozenset()  # and the threads
+        assert run.traces[r].thread_names == {} and tl.comm_threads is None  # and the threads
         # the idle model keeps its per-step sums, not its gaps (one per kernel boundary), and the
         # timeline none of its interval sets: the parent reads their cover, the same as a full load's
         mine, whole = run.idle[r], full.idle[r]

@@ -124,9 +124,9 @@ class RankTimeline:
     """One row per collective instance on this rank, in order (COLLECTIVE_COLUMNS). On disk in the
     parent (ingest/assemble.Keep): read it with `own_collectives()`; the analysis reads the run's
     (Run.collectives), gathered from these once."""
-    comm_threads: frozenset[str]
+    comm_threads: frozenset[str] | None
     """Thread ids that only run communication (gloo's runloop threads); only the reductions read
-    them (empty in the parent)."""
+    them (None in the parent: even an empty set arrives as 216 bytes of its own)."""
     compiled: Intervals | None
     """Host time inside torch.compile'd code (`Torch-Compiled Region` spans on the training threads)."""
     warnings: tuple[str, ...]
@@ -146,7 +146,7 @@ class RankTimeline:
     def for_parent(self) -> RankTimeline:
         """The timeline as the parent keeps it once the per-rank reductions have read its sets."""
         return replace(self, compute=None, comm=None, dataloader=None, host_busy=None, compiled=None,
-                       input_copies=None, comm_threads=frozenset())
+                       input_copies=None, comm_threads=None)
 
 
 def _names_matching(ev: pd.DataFrame, pattern: re.Pattern) -> np.ndarray:
