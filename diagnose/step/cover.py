@@ -109,6 +109,7 @@ class RankCover:
     n_comm: int
     """Intervals in the communication set (is there any communication)."""
     n_dataloader: int
+    """Intervals in the DataLoader set (is there any DataLoader span)."""
     exposed: Intervals
     lanes: Lanes | Spilled
     """In the parent, on disk until the step graph reads it, once (ingest/spill.py): use `lane_parts`."""

@@ -227,9 +227,9 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     del cols  # the graph's build sets the client's peak (#20): what is done with goes at once
 
     # COLL_END node of each collective row (its ref): to link resumes
-    ends = np.flatnonzero(kind == COLL_END)
+    end_nodes = np.flatnonzero(kind == COLL_END)
     end_node_of_row = np.full(len(c_rank), -1, dtype=np.int64)
-    end_node_of_row[ref[ends]] = ends
+    end_node_of_row[ref[end_nodes]] = end_nodes
     resume_of = np.full(n, -1, dtype=np.int64)
     lag = np.zeros(n)
     res = np.flatnonzero(kind == RESUME)
