@@ -19,7 +19,7 @@ from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.step.idle import EVIDENCE_GAP_COLUMNS
 from diagnose.ingest.assemble import load_one, load_files, load_run
 from tests.conftest import SHARED, kept_once, names_once
-from diagnose.ingest.spill import SpilledMap, unspilled
+from diagnose.ingest.spill import Spilled, SpilledMap, unspilled
 from diagnose.output import diagnosis_dict
 from diagnose.pipeline import diagnose_paths
 
@@ -391,9 +391,11 @@ def test_ranks_repeated_names_and_metadata_are_kept_once():
     kept_once(load_files(dlrm, 10**10, 1, reduce_rank))
 
 
-def test_without_a_disk_the_parent_keeps_ranks_in_memory_with_names_shared(monkeypatch):
+def test_without_a_disk_or_one_that_fills_up_ranks_stay_in_memory_and_the_diagnosis_is_the_same(monkeypatch):
     # no temporary file to be had (a read-only /tmp, a full disk): the analysis goes on in memory
     import tempfile
+
+    real = tempfile.TemporaryFile
 
     def no_disk(*a, **k):
         raise OSError("read-only file system")
@@ -404,6 +406,28 @@ def test_without_a_disk_the_parent_keeps_ranks_in_memory_with_names_shared(monke
     monkeypatch.undo()
     with_disk = diagnosis_dict(diagnose_paths([SHARED / "param_dlrm_8rank_v100"]))
     monkeypatch.setattr(tempfile, "TemporaryFile", no_disk)
+    assert diagnosis_dict(diagnose_paths([SHARED / "param_dlrm_8rank_v100"])) == with_disk
+
+    # a disk that fills up part way through: the ranks before stay on it, the rest in memory
+
+    class Filling:
+        def __init__(self, *a, **k):
+            self.f, self.room = real(*a, **k), 150_000
+
+        def write(self, data):
+            if len(data) > self.room:
+                self.f.write(bytes(data)[:self.room])  # a short write, then no space
+                self.room = 0
+                raise OSError(28, "No space left on device")
+            self.room -= len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", Filling)
+    loaded = load_files(dlrm, 10**10, 1, reduce_rank)
+    assert isinstance(loaded[0].trace.events, Spilled) and not isinstance(loaded[-1].trace.events, Spilled)
     assert diagnosis_dict(diagnose_paths([SHARED / "param_dlrm_8rank_v100"])) == with_disk
 
 
