@@ -2,6 +2,7 @@
 (the dependency graph of the steps with its replay: what removing a cause gives back)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -53,7 +54,11 @@ class Context:
         (the pipeline then reports that check as failed and goes on with the others).
         Each summary is read back from disk (ingest/assemble.Keep), the names ranks repeat shared
         as they arrive: 1,024 ranks' op lists held 41 MB with a copy of each name per rank."""
-        out = {}
+        return dict(self.facts_each(name))
+
+    def facts_each(self, name: str) -> Iterator[tuple[int, object]]:
+        """(rank, summary) one rank at a time, as `facts` gives them: for a check that folds every
+        rank's summary into one table, without holding them all at once."""
         texts: dict[str, str] = {}
         for r in self.run.ranks:
             f = self.run.facts.get(r, {}).get(name)
@@ -62,8 +67,7 @@ class Context:
                                    "reduce=analyzers.reduce_rank)")
             if isinstance(f, ReduceFailed):
                 raise RuntimeError(f"rank {r}: {f.error}")
-            out[r] = f.shared(texts) if isinstance(f, SharesText) else f
-        return out
+            yield r, (f.shared(texts) if isinstance(f, SharesText) else f)
 
     @property
     def mean_step_ms(self) -> float:

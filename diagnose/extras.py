@@ -153,8 +153,9 @@ def _top_ops_extra(ctx: Context, ranks: list[int]) -> dict:
     time of host ops on CPU ranks, kernel time on GPU ranks: where the step's time is spent),
     calls per step, share of the rank's mean step. From the straggler check's per-rank summary
     (the same figures its op diff compares), so nothing is measured twice."""
-    try:
-        facts = ctx.facts("straggler")
+    try:  # read one rank at a time, the ranks drawn kept (#20: every rank's held at once)
+        wanted = set(ranks)
+        facts = {r: f for r, f in ctx.facts_each("straggler") if r in wanted}
     except RuntimeError:
         return {}
     steps = ctx.per_rank_mean("step_ms")

@@ -438,5 +438,9 @@ def test_the_checks_read_each_ranks_summary_back_with_repeated_names_shared():
 
     run = load_run([SHARED / "param_dlrm_8rank_v100"], reduce=reduce_rank)
     assert all(isinstance(run.facts[r], SpilledMap) for r in run.ranks)
-    ops = build_context(run).facts("straggler")
+    ctx = build_context(run)
+    ops = ctx.facts("straggler")
     names_once([ops[r] for r in run.ranks])
+    # one rank at a time, for checks that fold them into one table (the straggler's op diff)
+    each = ctx.facts_each("straggler")
+    assert next(each)[0] == run.ranks[0] and dict(ctx.facts_each("straggler")) == ops

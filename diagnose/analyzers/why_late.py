@@ -93,6 +93,31 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
 MIN_OP_EXCESS_MS = 0.05  # the healthy floor: below it an op's excess is timer noise
 
 
+def _op_table(ctx: Context, rank: int) -> tuple[list[str], list[int], np.ndarray, np.ndarray] | None:
+    """Every rank's ms and calls per step of each op name: names x ranks, a rank without an op
+    reading as zero (two matrices filled in place: a long frame pivoted was 5 MB at its height at
+    512 ranks). The summaries are read one rank at a time, twice (the names, then the figures):
+    all of them held at once set the client's peak at 1,024 ranks (#20). None when a rank has
+    none, `rank` is not among them, fewer than two ranks have them or none names an op."""
+    try:
+        seen: set[str] = set()
+        ranks = []
+        for r, f in ctx.facts_each(FACTS):
+            ranks.append(r)
+            seen.update(f.names)
+    except RuntimeError:
+        return None
+    if rank not in ranks or len(ranks) < 2 or not seen:
+        return None
+    names = sorted(seen)
+    at = {n: i for i, n in enumerate(names)}
+    ms, calls = np.zeros((len(names), len(ranks))), np.zeros((len(names), len(ranks)))
+    for j, (_, f) in enumerate(ctx.facts_each(FACTS)):
+        rows = [at[n] for n in f.names]
+        ms[rows, j], calls[rows, j] = f.ms, f.calls
+    return names, ranks, ms, calls
+
+
 def _short(name: str) -> str:
     """A kernel's or op's name without its template arguments and signature, for one line."""
     n = name.removeprefix("void ").split("(")[0].split("<")[0].strip() or name
@@ -148,20 +173,9 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
             if len(cls) and cls.iloc[0] > 0 and cls.index[0] in IDLE_SOURCES:
                 detail = f", mostly {IDLE_SOURCES[cls.index[0]]} (+{cls.iloc[0]:.1f} ms)"
     ops, ops_ms = "", 0.0
-    try:
-        facts = ctx.facts(FACTS)
-    except RuntimeError:
-        facts = {}
-    if rank in facts and len(facts) >= 2 and any(f.names for f in facts.values()):
-        # names x ranks, a rank without an op reading as zero: two matrices filled in place (a long
-        # frame pivoted was 5 MB at its height at 512 ranks, #20: the client's memory per rank)
-        names = sorted({n for f in facts.values() for n in f.names})
-        at = {n: i for i, n in enumerate(names)}
-        ranks = sorted(facts)
-        ms, calls = np.zeros((len(names), len(ranks))), np.zeros((len(names), len(ranks)))
-        for j, r in enumerate(ranks):
-            rows = [at[n] for n in facts[r].names]
-            ms[rows, j], calls[rows, j] = facts[r].ms, facts[r].calls
+    table = _op_table(ctx, rank)
+    if table is not None:
+        names, ranks, ms, calls = table
         me, others = ranks.index(rank), [j for j, r in enumerate(ranks) if r != rank]
         d_ms = pd.Series(ms[:, me] - np.median(ms[:, others], axis=1), index=names)
         d_calls = pd.Series(calls[:, me] - np.median(calls[:, others], axis=1), index=names)
