@@ -144,9 +144,13 @@ class Keep:
         df.columns = self.labels.setdefault(key, df.columns)  # an Index is immutable: one serves all
         return df
 
-    def _frame(self, df: pd.DataFrame, reduced: bool) -> pd.DataFrame | Spilled:
+    def _frame(self, df: pd.DataFrame, reduced: bool, names: bool = False) -> pd.DataFrame | Spilled:
+        """On disk after a reduction; in memory otherwise (or without a disk), its labels shared
+        and, for cited events (`names`), their names."""
         out = self.spill.put(df) if reduced else df
-        return self._labels(df) if out is df else out
+        if isinstance(out, Spilled):
+            return out
+        return self._labels(self._cited_names(df) if names else df)
 
     def take(self, x: Loaded) -> Loaded:
         """Without a reduction (every event kept, for tools that read them) only the drawing and
@@ -162,8 +166,7 @@ class Keep:
             x.trace.meta = {k: self.values.setdefault(json.dumps(v, sort_keys=True, default=str), v)
                             for k, v in x.trace.meta.items()}
             if x.reduced:
-                ev = self.spill.put(x.trace.events)
-                x.trace.events = ev if isinstance(ev, Spilled) else self._labels(self._cited_names(ev))
+                x.trace.events = self._frame(x.trace.events, True, names=True)
         if x.idle is not None and x.reduced:
             x.idle = self.spill.put(x.idle)
         facts = self.spill.put_map(x.facts) if x.reduced else x.facts

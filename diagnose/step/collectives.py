@@ -63,9 +63,9 @@ def rows_by_value(values: np.ndarray, keys: list[int]) -> dict[int, np.ndarray]:
 
 def match_collectives(run: Run) -> Matched:
     empty = Matched(pd.DataFrame(columns=KEY + ["rank"]), pd.DataFrame(columns=KEY), 0.0)
-    if sum(not tl.own_collectives().empty for tl in run.timelines.values()) < 2:
+    allc = collectives_table(run)  # not each rank's own table: those lie on disk (ingest/assemble.Keep)
+    if allc["rank"].nunique() < 2:  # matching needs two ranks with collectives in their steps
         return empty
-    allc = collectives_table(run)
     counts = allc.groupby(KEY)["rank"].transform("size")
     matched = allc[counts >= 2].copy()
     if matched.empty:

@@ -148,9 +148,9 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
 
     # node columns, filled per rank, sorted once at the end; typed arrays, not lists: a list holds
     # a Python number per cell, ~4x the memory (#20: the build of this graph sets the client's peak)
+    # (ref: the collective row a RESUME waited for, a COLL_END's own)
     cols: dict[str, array] = {k: array("d" if k in ("time", "transfer") else "q")
                               for k in ("rank", "kind", "time", "step", "seg", "group", "transfer", "ref")}
-    # ref: the collective row a RESUME waited for, a COLL_END's own
     # segment ids: a stable code per (kind, step, pg, seq) so ranks' segments line up
     seg_codes: dict[tuple, int] = {}
     after_rows: set[int] = set()  # RESUME rows that wait for a last arrival, not an end
