@@ -91,8 +91,8 @@ class Context:
         ev = unspilled(trace.events)  # cell by cell: a whole row (.loc[row]) converts every column, 1 ms a call
         steps = self.run.timelines[rank].steps
         ts = float(ev.at[row, "ts"])
-        hit = np.flatnonzero((steps["start"].to_numpy() <= ts) & (steps["end"].to_numpy() > ts))
-        step = int(steps["step"].iloc[hit[0]]) if len(hit) else None
+        hit = np.flatnonzero((steps.start <= ts) & (steps.end > ts))
+        step = int(steps.step[hit[0]]) if len(hit) else None
         return EventRef(rank=rank, file=trace.path.name, ts_us=ts, dur_us=float(ev.at[row, "dur"]),
                         name=str(ev.at[row, "name"])[:300], step=step, note=note)
 
@@ -114,7 +114,7 @@ def prune_dead_views(run: Run) -> None:
     after it then set the client's peak). `has_reference()` prunes them as it counts (pandas 3.x
     internals: where they are missing, this does nothing). Run once, between the checklist and
     the extras: after each of the 15 checks it cost 1.5-3.6 s at 1,024 ranks (two runs)."""
-    frames = [f for tl in run.timelines.values() for f in (tl.steps, tl.collectives)]
+    frames = [tl.collectives for tl in run.timelines.values()]
     frames += [f for t in run.traces.values() for f in (t.events, t.comm_args) if isinstance(f, pd.DataFrame)]
     for f in frames:
         for block in getattr(getattr(f, "_mgr", None), "blocks", ()):
@@ -139,7 +139,7 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None,
     pr = matched.per_rank
     if pr.empty:
         return ()
-    spans = [tl.steps["end"].to_numpy() - tl.steps["start"].to_numpy() for tl in run.timelines.values()]
+    spans = [tl.steps.end - tl.steps.start for tl in run.timelines.values()]
     step_ms = float(np.concatenate(spans).mean()) / 1000 if spans else 0.0
     floor = th.straggler_floor_ms(step_ms)
     lateness = pr.groupby("rank")["lateness"].mean() / 1000

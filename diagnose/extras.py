@@ -75,10 +75,10 @@ def _median_step(ctx: Context, ranks: list[int]) -> int | None:
 
 def _steps_by_duration(ctx: Context, ranks: list[int]) -> list[int]:
     run = ctx.run
-    common = set.intersection(*(set(run.timelines[r].steps["step"]) for r in ranks))
+    common = set.intersection(*(set(run.timelines[r].steps.step.tolist()) for r in ranks))
     if not common:
         return []
-    first = run.timelines[ranks[0]].steps
+    first = run.timelines[ranks[0]].steps.frame()
     cand = first[first["step"].isin(common)].assign(d=lambda f: f["end"] - f["start"]).sort_values("d", kind="stable")
     return [int(x) for x in cand["step"]]
 
@@ -114,8 +114,8 @@ def _step_lanes(ctx: Context, ranks: list[int], step: int) -> dict:
     for r in ranks:
         tl = run.timelines[r]
         off = run.clock_offsets_us.get(r, 0.0)
-        i = int(np.flatnonzero(tl.steps["step"].to_numpy() == step)[0])
-        lo, hi = float(tl.steps["start"].iloc[i]), float(tl.steps["end"].iloc[i])
+        i = int(np.flatnonzero(tl.steps.step == step)[0])
+        lo, hi = float(tl.steps.start[i]), float(tl.steps.end[i])
         drawing = tl.cover.drawn()  # the longest intervals of each lane, kept where the trace was read
         lanes: dict[str, list] = {}
         for name in DRAWN:

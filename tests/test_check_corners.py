@@ -219,7 +219,7 @@ def test_a_micro_batch_label_at_the_steps_first_microsecond_is_in_that_step():
     parts = ev["name"].astype(str).str.extract(pipeline_bubbles.MICROBATCH.pattern)
     fwd = (parts[0] == "Forward") | (parts[3] == "F")
     moved_steps = 0
-    for s in tl.steps.itertuples():
+    for s in tl.steps.frame().itertuples():
         inside = ev.index[fwd & (ev["ts"] >= s.start) & (ev["ts"] < s.end)]
         if len(inside):
             ev.loc[ev.loc[inside, "ts"].idxmin(), "ts"] = s.start
@@ -317,7 +317,7 @@ def test_a_gpu_rank_without_steps_has_no_queued_idle_rather_than_nan():
 
     full = load_run([next(shared("hta_nccl_data_rank0of2_a100").glob("*.json*"))], jobs=1)
     tl = full.timelines[0]
-    got = device_wait.reduce(full.traces[0], dataclasses.replace(tl, steps=tl.steps.iloc[:0]))
+    got = device_wait.reduce(full.traces[0], dataclasses.replace(tl, steps=tl.steps.head(0)))
     assert got.ms == 0.0 and got.by_sub_ms and all(v == 0.0 for _, v in got.by_sub_ms)
 
 
@@ -335,7 +335,7 @@ def test_a_reduction_starting_as_the_last_forward_starts_belongs_to_that_pass():
     fw = ev[_names_matching(ev, grad_sync.DDP_FORWARD)]
     coll = tl.collectives.copy()
     moved = 0
-    for s in tl.steps.itertuples():
+    for s in tl.steps.frame().itertuples():
         starts = fw["ts"][(fw["ts"] >= s.start) & (fw["ts"] < s.end)]
         mine = coll.index[coll["step"] == s.step]
         if len(starts) >= 2 and len(mine):
@@ -393,7 +393,7 @@ def test_a_rank_without_steps_cites_no_event():
 
     run = _full("cpu_reduce_fp32_2rank")
     tl = run.timelines[0]
-    got = reduce_dtype.reduce(run.traces[0], dataclasses.replace(tl, steps=tl.steps.iloc[:0]))
+    got = reduce_dtype.reduce(run.traces[0], dataclasses.replace(tl, steps=tl.steps.head(0)))
     assert got.matrix_row < 0 and got.fp32_rows == () and got.matrix_us == ()
 
 
@@ -538,7 +538,7 @@ def test_an_op_and_its_child_starting_together_share_the_parents_time_correctly(
     from diagnose.analyzers import common
 
     tl = _full("cpu_straggler_2rank").timelines[0]
-    t0 = float(tl.steps["start"].iloc[0])
+    t0 = float(tl.steps.start[0])
     ev = pd.DataFrame({"kind": pd.Categorical(["cpu_op", "cpu_op"]), "tid": ["1", "1"], "ts": [t0 + 10, t0 + 10],
                        "dur": [4.0, 10.0], "name": pd.Categorical(["aten::mm", "aten::linear"]),
                        "corr": [-1, -1]})
@@ -552,7 +552,7 @@ def test_an_op_opening_at_a_steps_first_microsecond_counts_in_that_step():
     from diagnose.analyzers import launch
 
     tl = _full("cpu_straggler_2rank").timelines[0]
-    starts = tl.steps["start"].to_numpy(dtype=float)
+    starts = tl.steps.start
     ev = pd.DataFrame({"kind": pd.Categorical(["cpu_op"] * 2), "tid": ["1", "1"],
                        "ts": [starts[0], starts[1]], "dur": [5.0, 5.0],
                        "name": pd.Categorical(["aten::add", "aten::add"]), "corr": [-1, -1]})

@@ -28,7 +28,7 @@ def test_cover_answers_as_the_sets_do(name):
     x = load_one((_first(name), DEFAULT_MAX_BYTES, None))  # no reduction: the sets are kept beside it
     tl, m = x.timeline, x.idle
     cov = tl.cover
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    lo, hi = tl.steps.start, tl.steps.end
     # per step: the sets' coverage, by definition
     dl_free = subtract(tl.dataloader, merge(tl.compute, tl.comm)) if tl.is_gpu else tl.dataloader
     for k, s in enumerate((tl.compute, tl.comm, tl.dataloader, dl_free, tl.input_copies, tl.host_busy, tl.compiled)):

@@ -13,7 +13,7 @@ from diagnose.step import idle
 from diagnose.analyzers import host_sync, launch
 from diagnose.ingest.load import load_trace
 from diagnose.pipeline import diagnose_paths
-from diagnose.step.timeline import build_timeline
+from diagnose.step.timeline import Steps, build_timeline
 from tests.conftest import shared, shared_diagnosis
 
 DEVICE = ("kernel", "comm_kernel", "memcpy", "memset")
@@ -38,10 +38,10 @@ def _raw_gaps(ev: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"start": end[:-1][gap], "end": ts[1:][gap], "row": dev.index.to_numpy()[1:][gap]})
 
 
-def _raw_idle_per_step(ev: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
+def _raw_idle_per_step(ev: pd.DataFrame, steps: Steps) -> np.ndarray:
     dev = ev[ev["kind"].astype(str).isin(DEVICE)]
     out = []
-    for s, e in zip(steps["start"], steps["end"]):
+    for s, e in zip(steps.start, steps.end):
         t = dev[(dev["ts"] < e) & (dev["ts"] + dev["dur"] > s)].sort_values("ts")
         busy, cur_s, cur_e = 0.0, None, None
         for a, b in zip(t["ts"].clip(lower=s), (t["ts"] + t["dur"]).clip(upper=e)):
@@ -65,7 +65,7 @@ def test_classes_sum_to_idle_per_rank_and_step(name):
         assert m.by_class_us.shape == (len(tl.steps), len(idle.CLASSES))
         assert (m.by_class_us >= 0).all()
         # within 1 us per gap that overlaps the step (the bound), step by step
-        lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+        lo, hi = tl.steps.start, tl.steps.end
         gaps_in_step = np.array([((m.start < e) & (m.end > s)).sum() for s, e in zip(lo, hi)])
         assert (np.abs(m.by_class_us.sum(axis=1) - raw) <= np.maximum(gaps_in_step, 1) * 1.0).all()
         np.testing.assert_allclose(m.queued_by_sub_us.sum(axis=1), m.by_class_us[:, idle.QUEUED], atol=1e-6)
@@ -83,7 +83,7 @@ def test_sampled_launch_overhead_is_the_host_launch_class_at_low_confidence():
     corr = ev.loc[gaps["row"], "corr"].to_numpy()
     launch_end = (rt["ts"] + rt["dur"]).reindex(corr).to_numpy()
     host = gaps[(launch_end > gaps["start"].to_numpy()) & (gaps["end"] - gaps["start"] > 5)]
-    lo_s, hi_s = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    lo_s, hi_s = tl.steps.start, tl.steps.end
     in_steps = sum(float(np.clip(np.minimum(host["end"], e) - np.maximum(host["start"], s), 0, None).sum())
                    for s, e in zip(lo_s, hi_s))
     rank0_ms = in_steps / len(lo_s) / 1000
@@ -146,7 +146,7 @@ def _host_launch_gaps(tr, tl, n):
     lend = (ev["ts"] + ev["dur"]).loc[gaps["launch"]].to_numpy()
     s = tl.steps
     inside = np.zeros(len(gaps), bool)
-    for a, b in zip(s["start"], s["end"]):
+    for a, b in zip(s.start, s.end):
         inside |= (gaps["start"].to_numpy() >= a) & (gaps["end"].to_numpy() <= b)
     gaps = gaps[(lend > gaps["start"].to_numpy()) & inside]
     return gaps.assign(len=gaps["end"] - gaps["start"]).nlargest(n, "len")
@@ -212,7 +212,7 @@ def test_breakdown_other_splits_into_the_idle_classes(name):
         tl = build_timeline(tr, 0)
         raw = _raw_idle_per_step(tr.events, tl.steps)
         rank = next(r for r, p in d.run.files.items() if p == str(f))
-        for step, idle_us in zip(tl.steps["step"], raw):
+        for step, idle_us in zip(tl.steps.step, raw):
             b = rows[(rank, int(step))]
             assert set(b.other_by_cause_ms) == set(idle.CLASSES)
             assert sum(b.other_by_cause_ms.values()) == pytest.approx(b.other_ms, abs=1e-3)
@@ -279,7 +279,7 @@ def test_graph_launches_without_kernels_are_reported():
     m = idle.idle_model(tr, tl)
     # turn ten kernel launches into graph launches whose kernels were not traced
     launches = ev[(ev["kind"] == "runtime").to_numpy() & (ev["name"] == "cudaLaunchKernel").to_numpy()]
-    launches = launches[(launches["ts"] > tl.steps["start"].min()) & (launches["ts"] < tl.steps["end"].max())]
+    launches = launches[(launches["ts"] > tl.steps.start.min()) & (launches["ts"] < tl.steps.end.max())]
     rows = launches.index[:10]
     dev = ev[ev["kind"].isin(["kernel"]).to_numpy() & ev["corr"].isin(launches.loc[rows, "corr"]).to_numpy()]
     names = ev["name"].astype(str)

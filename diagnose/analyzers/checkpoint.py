@@ -66,7 +66,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> TraceMarks:
     hit = ev[ev["kind"].isin([KIND_ANNOTATION, KIND_CPU_OP]).to_numpy() & _names_matching(ev, TRACE_MARK)]
     if hit.empty:
         return TraceMarks(count=0, ms_per_step=0.0, first_rows=())
-    ms = float(np.mean(covered(union(hit["ts"], hit["ts"] + hit["dur"]), tl.steps["start"], tl.steps["end"]))) / 1000
+    ms = float(np.mean(covered(union(hit["ts"], hit["ts"] + hit["dur"]), tl.steps.start, tl.steps.end))) / 1000
     return TraceMarks(count=len(hit), ms_per_step=ms, first_rows=tuple(int(i) for i in hit.index[:3]))
 
 

@@ -97,7 +97,7 @@ def host_self_times(ev: pd.DataFrame, tl: RankTimeline) -> pd.DataFrame:
 def _clipped_to_step(ops: pd.DataFrame, tl: RankTimeline) -> np.ndarray:
     """Each op's duration, cut at the end of the step it starts in (ops outside steps unchanged)."""
     ts, dur = ops["ts"].to_numpy(dtype=float), ops["dur"].to_numpy(dtype=float)
-    lo, hi = tl.steps["start"].to_numpy(dtype=float), tl.steps["end"].to_numpy(dtype=float)
+    lo, hi = tl.steps.start, tl.steps.end
     if not len(lo):
         return dur
     k = np.searchsorted(lo, ts, side="right") - 1

@@ -55,7 +55,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
     exposed_ms, h2d_rows = 0.0, ()
     cp = ev[(ev["kind"] == KIND_MEMCPY).to_numpy() & _names_matching(ev, PAGEABLE_H2D)]
     if len(cp) and len(tl.steps):
-        exposed_ms = float(np.mean(covered(tl.input_copies, tl.steps["start"], tl.steps["end"]))) / 1000
+        exposed_ms = float(np.mean(covered(tl.input_copies, tl.steps.start, tl.steps.end))) / 1000
         h2d_rows = tuple(int(i) for i in cp.nlargest(2, "dur").index)
     return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows)
 

@@ -76,7 +76,7 @@ def host_timed_pace(r: int, ctx: Context) -> float | None:
         return None
     if has_device_times(p):
         return None  # the record has the device's times: its changes are the job's
-    return float((tl.steps["end"] - tl.steps["start"]).mean()) / 1000
+    return float(tl.steps.dur.mean()) / 1000
 
 
 def queue_filled(e: Event, ctx: Context, th: Thresholds) -> float | None:
@@ -88,7 +88,7 @@ def queue_filled(e: Event, ctx: Context, th: Thresholds) -> float | None:
     paces = []
     for r in e.ranks:
         pace = host_timed_pace(r, ctx)
-        if pace is None or int(ctx.run.timelines[r].steps["step"].max()) >= e.step:
+        if pace is None or int(ctx.run.timelines[r].steps.step.max()) >= e.step:
             return None
         paces.append(pace)
     if not paces:

@@ -71,7 +71,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> Accumulation:
     host = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
     fw = ev[host & _names_matching(ev, DDP_FORWARD)]
     fw = fw[~fw["tid"].astype(str).isin(tl.comm_threads)].sort_values("ts")
-    if fw.empty or tl.steps.empty:
+    if fw.empty or not len(tl.steps):
         return Accumulation(ddp=False, **NONE)
     c = tl.collectives
     coll = c[(c["step"] >= 0) & np.array([collective_kind(str(n)) == "all_reduce" for n in c["name"]], dtype=bool)]
@@ -79,7 +79,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> Accumulation:
     exposed = subtract(tl.comm, tl.compute)
     n = syncing = 0
     micro, early_n, all_n, early_ms, rows = [], [], [], [], []
-    for s in tl.steps.itertuples():
+    for s in tl.steps.frame().itertuples():
         starts = starts_all[(starts_all >= s.start) & (starts_all < s.end)]
         if len(starts) < 2:
             continue

@@ -112,7 +112,7 @@ def reduce(trace: RankTrace, tl: RankTimeline, idle_gaps: idle.IdleModel | None 
     item_calls = int((ev["name"] == "aten::item").sum())
     if not tl.is_gpu or not has_runtime:
         return RankSyncs(has_runtime=has_runtime, item_calls=item_calls)
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    lo, hi = tl.steps.start, tl.steps.end
     m = idle_gaps or idle.idle_model(trace, tl)
     calls = ev[idle.sync_calls(ev)]
     in_step = np.zeros(len(calls), dtype=bool)

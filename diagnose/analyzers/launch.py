@@ -110,7 +110,7 @@ def reduce(trace: RankTrace, tl: RankTimeline, idle_gaps: idle.IdleModel | None 
 
 def _host_bound(trace: RankTrace, tl: RankTimeline, m: idle.IdleModel) -> HostBound:
     ev = trace.events
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    lo, hi = tl.steps.start, tl.steps.end
     k = ev[ev["kind"].isin([KIND_KERNEL, KIND_COMM_KERNEL]).to_numpy()]
     k_in = k[(k["ts"] >= lo.min()) & (k["ts"] < hi.max())]
     launch = (m.cls == idle.LAUNCH) & (m.end_row >= 0)
@@ -218,7 +218,7 @@ def _op_overhead(ev: pd.DataFrame, tl: RankTimeline) -> OpOverhead:
     if len(tl.dataloader):
         inside = covered(tl.dataloader, ops["ts"], ops["ts"] + ops["dur"]) > 0
         ops = ops[~inside]
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    lo, hi = tl.steps.start, tl.steps.end
     if ops.empty:
         return OpOverhead(ms=0.0, ops_per_step=None, fixed_cost_us=None, dense_share=None, typical_rows=())
     # an op's fixed cost is at most its fastest instance's self time: at that size

@@ -70,7 +70,7 @@ def _per_step_count(ts: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> float:
 
 def reduce(trace: RankTrace, tl: RankTimeline) -> Stage:
     ev = trace.events
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    lo, hi = tl.steps.start, tl.steps.end
     if tl.is_gpu:
         busy = tl.compute
     else:

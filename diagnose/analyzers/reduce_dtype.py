@@ -115,7 +115,7 @@ def _matrix_time(trace: RankTrace, tl: RankTimeline) -> tuple[dict[str, float], 
 
 
 def reduce(trace: RankTrace, tl: RankTimeline) -> Precision:
-    if tl.steps.empty:
+    if not len(tl.steps):
         return Precision(matrix_us=(), source="", reduced=(), fp32_exposed_ms=0.0, fp32_rows=(), matrix_row=-1)
     matrix, source, low_row = _matrix_time(trace, tl)
     c = tl.collectives
@@ -129,7 +129,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> Precision:
     big = red[large_fp32_reductions(red)]  # the ones the replay halves
     spans = union(big["arrival"].to_numpy(dtype=float), big["end"].to_numpy(dtype=float))
     during = intersect(subtract(tl.comm, tl.compute), spans)  # exposed time inside those reductions
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    lo, hi = tl.steps.start, tl.steps.end
     ms = float(np.mean(covered(during, lo, hi))) / 1000
     return Precision(matrix_us=tuple(sorted(matrix.items())), source=source,
                      reduced=tuple((p, int(n), float(b)) for p, (n, b) in sorted(reduced.items())),

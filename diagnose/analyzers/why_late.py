@@ -74,7 +74,7 @@ class RankOps:
 
 def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
     ev = trace.events
-    lo, hi = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+    lo, hi = tl.steps.start, tl.steps.end
     if tl.is_gpu:
         ops = ev[(ev["kind"] == KIND_KERNEL).to_numpy()]
         ops = ops.assign(self_us=ops["dur"].to_numpy(dtype=float))

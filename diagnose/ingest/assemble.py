@@ -130,7 +130,7 @@ class Keep:
     - what ranks repeat, once: each rank's file metadata is swapped for the first equal copy
       seen (every rank's result is unpickled into objects of its own; at 1,024 ranks identical
       device properties were much of the client's memory);
-    - its steps table's column labels, once: an Index of ~1.2 KB a rank.
+    - the column labels of a table kept in memory, once: an Index of ~1.2 KB a rank.
     Where the disk is not to be had, the summaries' op names and the tables' labels are shared
     across ranks instead."""
 
@@ -157,8 +157,7 @@ class Keep:
         the lanes go to disk."""
         if x.timeline is not None:
             cover = x.timeline.cover
-            x.timeline = replace(x.timeline, steps=self._labels(x.timeline.steps),
-                                 collectives=self._frame(x.timeline.collectives, x.reduced),
+            x.timeline = replace(x.timeline, collectives=self._frame(x.timeline.collectives, x.reduced),
                                  cover=replace(cover, lanes=self.spill.put(cover.lanes),
                                                drawing=self.spill.put(cover.drawing)) if cover else None)
         if x.trace is not None:

@@ -192,7 +192,7 @@ def exposed_per_rank(run: Run, matched: Matched) -> dict[int, dict[tuple[str, st
         n = len(tl.steps)
         if not n:
             continue
-        lo_s, hi_s = tl.steps["start"].to_numpy(), tl.steps["end"].to_numpy()
+        lo_s, hi_s = tl.steps.start, tl.steps.end
         exposed = intersect(exposed_comm(run, r, waits), union(lo_s, hi_s))
         rows = rows_of[r]
         rows = rows[np.argsort(c_start[rows], kind="stable")]  # by arrival, ties in table order

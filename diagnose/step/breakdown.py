@@ -53,8 +53,8 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
     all_waits = waits_by_rank(run, matched)
     for r in run.ranks:
         tl = run.timelines[r]
-        lo = tl.steps["start"].to_numpy()
-        hi = tl.steps["end"].to_numpy()
+        lo = tl.steps.start
+        hi = tl.steps.end
         step_us = hi - lo
         compute = column(tl, "compute")
         dl = column(tl, "dataloader_free")
@@ -67,7 +67,7 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
         other = np.maximum(step_us - compute - exposed - wait - dl, 0.0)
         gaps = run.idle.get(r)
         split = gaps.outside_dataloader_us if gaps is not None and not isinstance(gaps, ReduceFailed) else None
-        for i, step in enumerate(tl.steps["step"].to_numpy()):
+        for i, step in enumerate(tl.steps.step):
             causes = {c: round(float(split[i, k]) / 1000, 6) for k, c in enumerate(CLASSES)} if split is not None else {}
             rows.append(StepBreakdown(
                 rank=r, step=int(step), start_us=float(lo[i]), step_ms=step_us[i] / 1000,

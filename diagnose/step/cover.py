@@ -165,8 +165,8 @@ def _drawing(tl: RankTimeline, m: IdleModel | ReduceFailed | None, lo: np.ndarra
 
 def rank_cover(tl: RankTimeline, m: IdleModel | ReduceFailed | None) -> RankCover:
     """tl: the rank's full RankTimeline; m: its idle model (None on CPU ranks, or why it failed)."""
-    lo = tl.steps["start"].to_numpy(dtype=float)
-    hi = tl.steps["end"].to_numpy(dtype=float)
+    lo = tl.steps.start
+    hi = tl.steps.end
     busy = merge(tl.compute, tl.comm)
     dl_free = subtract(tl.dataloader, busy) if tl.is_gpu else tl.dataloader
     per_step = np.stack([covered(s, lo, hi) for s in (tl.compute, tl.comm, tl.dataloader, dl_free,

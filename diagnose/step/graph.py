@@ -168,9 +168,9 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     for r in run.ranks:
         tl = run.timelines[r]
         off = run.clock_offsets_us.get(r, 0.0)
-        lo = tl.steps["start"].to_numpy(dtype=float) + off
-        hi = tl.steps["end"].to_numpy(dtype=float) + off
-        steps = tl.steps["step"].to_numpy()
+        lo = tl.steps.start + off
+        hi = tl.steps.end + off
+        steps = tl.steps.step
         blocked = _shift(tl.cover.exposed, off)
         for s, a, b in zip(steps, lo, hi):
             add(r, STEP_START, float(a), int(s), ("start", int(s)))

@@ -273,7 +273,7 @@ def sync_calls(ev: pd.DataFrame) -> np.ndarray:
 
 def idle_model(trace: RankTrace, tl: RankTimeline, th: Thresholds = DEFAULT) -> IdleModel:
     ev = trace.events
-    lo, hi = tl.steps["start"].to_numpy(dtype=float), tl.steps["end"].to_numpy(dtype=float)
+    lo, hi = tl.steps.start, tl.steps.end
     n_steps = lo.size
     kind = ev["kind"]
     dev_mask = kind.isin([KIND_KERNEL, KIND_COMM_KERNEL, KIND_MEMCPY, KIND_MEMSET]).to_numpy()

@@ -100,6 +100,39 @@ def _dtype_of(args: dict, name: str) -> str:
 
 
 STEP_COLUMNS = ("step", "start", "end")
+
+
+@dataclass(frozen=True, slots=True)
+class Steps:
+    """A rank's complete steps in time order, as parallel arrays: not a DataFrame, which held ~2 KB
+    a rank in the parent for one row, and ~1.5 KB more once its columns were read (#20, the
+    client's memory per rank). `frame()` gives the table where one is wanted."""
+
+    step: np.ndarray
+    """Step number (int64)."""
+    start: np.ndarray
+    """Start (us, file clock; float64)."""
+    end: np.ndarray
+
+    @classmethod
+    def of(cls, df: pd.DataFrame) -> Steps:
+        return cls(step=df["step"].to_numpy().astype(np.int64), start=df["start"].to_numpy(np.float64, copy=True),
+                   end=df["end"].to_numpy(np.float64, copy=True))
+
+    def __len__(self) -> int:
+        return int(self.step.size)
+
+    @property
+    def dur(self) -> np.ndarray:
+        return self.end - self.start
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame({"step": self.step, "start": self.start, "end": self.end})
+
+    def head(self, n: int) -> Steps:
+        return Steps(self.step[:n], self.start[:n], self.end[:n])
+
+
 COLLECTIVE_COLUMNS = ("step", "pg", "seq", "name", "arrival", "end", "bytes", "dtype", "row")
 
 
@@ -109,8 +142,8 @@ class RankTimeline:
     file: str
     is_gpu: bool
     step_source: str
-    steps: pd.DataFrame
-    """One row per complete step: step (int), start, end (us, file clock)."""
+    steps: Steps
+    """The complete steps: step, start, end (us, file clock)."""
     compute: Intervals | None
     """Device work (GPU: kernels, copies, memsets; CPU: host ops on the training threads outside
     DataLoader waits and communication wrappers). This and the other interval sets, one interval
@@ -286,20 +319,18 @@ def _bytes_of(args: dict) -> float:
     return float("nan")
 
 
-def _assign_steps(ts: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+def _assign_steps(ts: np.ndarray, steps: Steps) -> np.ndarray:
     """Step number of each timestamp, or -1 when it falls outside every step."""
     if len(steps) == 0 or ts.size == 0:
         return np.full(ts.size, -1, dtype=np.int64)
-    starts = steps["start"].to_numpy()
-    ends = steps["end"].to_numpy()
-    i = np.searchsorted(starts, ts, side="right") - 1
-    ok = (i >= 0) & (ts < ends[np.clip(i, 0, None)])
+    i = np.searchsorted(steps.start, ts, side="right") - 1
+    ok = (i >= 0) & (ts < steps.end[np.clip(i, 0, None)])
     out = np.full(ts.size, -1, dtype=np.int64)
-    out[ok] = steps["step"].to_numpy()[i[ok]]
+    out[ok] = steps.step[i[ok]]
     return out
 
 
-def _collectives(trace: RankTrace, is_gpu: bool, steps: pd.DataFrame, comm_tids: set[str]) -> pd.DataFrame:
+def _collectives(trace: RankTrace, is_gpu: bool, steps: Steps, comm_tids: set[str]) -> pd.DataFrame:
     ev = trace.events
     args = trace.comm_args
     if is_gpu:
@@ -393,6 +424,7 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
         if ahead:
             warnings.append(f"rank {rank}: {ahead}")
             device_timed = True
+    steps = Steps.of(steps)
     dl_mask = _names_matching(ev, DATALOADER) & _kind_mask(ev, KIND_ANNOTATION, KIND_CPU_OP)
     dl = ev[dl_mask]
     dataloader = union(dl["ts"], dl["ts"] + dl["dur"])
