@@ -53,7 +53,7 @@ MIN_STEPS_FOR_BEST = 3
 
 def _parts(fracs: dict[str, float]) -> Edit:
     def edit(g, w, tr, ranks):
-        cut = sum(frac * g.lane_parts[:, sg.PARTS.index(p)] for p, frac in fracs.items())
+        cut = sum(frac * g.lane_parts.column(sg.PARTS.index(p)) for p, frac in fracs.items())
         return np.maximum(w - cut, 0.0), tr
     return edit
 
@@ -63,7 +63,7 @@ def _straggler(g, w, tr, ranks):
 
 
 def _comm_hidden(g, w, tr, ranks):
-    w = np.maximum(w - g.lane_parts[:, sg.PARTS.index("comm_wait")], 0.0)
+    w = np.maximum(w - g.lane_parts.column(sg.PARTS.index("comm_wait")), 0.0)
     return w, np.zeros_like(tr)
 
 
@@ -131,7 +131,7 @@ class StepModel:
         fn = EXTRA_EDITS.get(cause) or EDITS.get(cause)
         if fn is None or (cause == "best_transfer" and self.steps < MIN_STEPS_FOR_BEST):
             return None
-        w0, tr0 = self.graph.lane_parts.sum(axis=1), self.graph.transfer
+        w0, tr0 = self.graph.lane_parts.total, self.graph.transfer
         w1, tr1 = fn(self.graph, w0 if w is None else w, tr0 if tr is None else tr, tuple(ranks))
         if w is None and np.array_equal(w1, w0) and np.array_equal(tr1, tr0):
             return None  # the graph holds nothing this edit could change
@@ -148,7 +148,7 @@ class StepModel:
 
     def without(self, causes: dict[str, tuple[int, ...]]) -> float:
         """Replayed mean step (ms) with all these causes removed together."""
-        w, tr = self.graph.lane_parts.sum(axis=1), self.graph.transfer
+        w, tr = self.graph.lane_parts.total, self.graph.transfer
         for cause, ranks in causes.items():
             e = self.edit(cause, ranks, w, tr)
             if e is not None:

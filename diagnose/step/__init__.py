@@ -8,7 +8,7 @@
 - `breakdown`: each rank's step split into disjoint components that sum to the step.
 - `idle`: why a GPU idles: every idle gap attributed to one cause from its launch link.
 - `graph`: every rank's steps as one dependency graph; its replay is where each finding's ms come
-  from (`diagnose/whatif.py` edits it).
+  from (`diagnose/whatif.py` edits it); `parts`, its lane edges' composition, held by column.
 - `bandwidth`: communication by process group and collective kind: exposed time, size, bus bandwidth.
 - `link`: each group's bus bandwidth judged against the link the user names (`--link-gbps`).
 - `changes`: the run over time: change points in every rank's step components, from the probes'

@@ -51,6 +51,7 @@ from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.collectives import collectives_table, rows_by_value
 from diagnose.step.cover import LANE_SETS
 from diagnose.step.intervals import Intervals, covered, intersect, union
+from diagnose.step.parts import LaneParts
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
 
 # node kinds, in the order they are processed at equal times
@@ -81,8 +82,8 @@ class StepGraph:
     for the median); -1 for other nodes."""
     lane_prev: np.ndarray
     """Previous node on the rank's lane (-1: the rank's first point, anchored at its time)."""
-    lane_parts: np.ndarray
-    """(nodes, len(PARTS)): the lane edge ending at the node, by part (us); rows sum to its weight."""
+    lane_parts: LaneParts
+    """(nodes, len(PARTS)): the lane edge ending at the node, by part (us); `total`, its weight."""
     group: np.ndarray
     """Collective instance of an ARRIVAL or COLL_END node (-1 otherwise)."""
     transfer: np.ndarray
@@ -219,8 +220,9 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     time = np.asarray(cols["time"], dtype=float)
     order = np.lexsort((kind, time))
     kind, time = kind[order], time[order]
-    rank, step, seg, group, ref = (np.asarray(cols[k], dtype=np.int64)[order]
-                                   for k in ("rank", "step", "seg", "group", "ref"))
+    # node ids, ranks, steps and codes fit 32 bits: half the memory of the graph's index columns
+    rank, step, seg, group = (np.asarray(cols[k], dtype=np.int32)[order] for k in ("rank", "step", "seg", "group"))
+    ref = np.asarray(cols["ref"], dtype=np.int64)[order]
     transfer = np.asarray(cols["transfer"], dtype=float)[order]
     after_arrival = np.isin(order, list(after_rows))
     n = time.size
@@ -230,7 +232,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     end_nodes = np.flatnonzero(kind == COLL_END)
     end_node_of_row = np.full(len(c_rank), -1, dtype=np.int64)
     end_node_of_row[ref[end_nodes]] = end_nodes
-    resume_of = np.full(n, -1, dtype=np.int64)
+    resume_of = np.full(n, -1, dtype=np.int32)
     lag = np.zeros(n)
     res = np.flatnonzero(kind == RESUME)
     group_latest = np.full(len(keys), -np.inf)
@@ -243,9 +245,9 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         lag[v] = time[v] - time[e] if after_arrival[v] else max(time[v] - time[e], 0.0)
 
     # lane chains and the composition of each lane edge
-    lane_prev = np.full(n, -1, dtype=np.int64)
+    lane_prev = np.full(n, -1, dtype=np.int32)
     lane_parts = np.zeros((n, len(PARTS)))
-    order_prev = np.full(n, -1, dtype=np.int64)
+    order_prev = np.full(n, -1, dtype=np.int32)
     nodes_of = rows_by_value(rank, run.ranks)  # in time order within each rank
     for r in run.ranks:
         mine = nodes_of[r]
@@ -272,18 +274,18 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             ok = j >= 0
             order_prev[arr[ok]] = ends[j[ok]]
     return StepGraph(rank=rank, kind=kind, time=time, step=step, seg=seg, lane_prev=lane_prev,
-                     lane_parts=lane_parts, group=group, transfer=transfer, order_prev=order_prev,
+                     lane_parts=LaneParts.of(lane_parts), group=group, transfer=transfer, order_prev=order_prev,
                      resume_of=resume_of, lag=lag, after_arrival=after_arrival, n_groups=len(keys),
                      group_key=keys)
 
 
 def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray | None = None) -> Replay:
     """Longest-path schedule of the graph with these lane weights and transfers (default: measured)."""
-    w = g.lane_parts.sum(axis=1) if lane_w is None else lane_w
+    w = g.lane_parts.total if lane_w is None else lane_w
     tr = g.transfer if transfer is None else transfer
     n = g.time.size
     t = np.empty(n)
-    via = np.full(n, -1, dtype=np.int64)
+    via = np.full(n, -1, dtype=np.int32)
     via_cat = np.full(n, -1, dtype=np.int8)
     group_start = np.full(g.n_groups, -np.inf)
     group_last = np.full(g.n_groups, -1, dtype=np.int64)
@@ -342,10 +344,10 @@ def fidelity(g: StepGraph, rep: Replay | None = None) -> float:
 
 def without_parts(g: StepGraph, parts: dict[str, float], ranks: set[int] | None = None) -> np.ndarray:
     """Lane weights with a fraction of some parts removed (e.g. {"dataloader": 1.0, "idle_launch": 0.5})."""
-    w = g.lane_parts.sum(axis=1).copy()
+    w = g.lane_parts.total.copy()
     sel = np.ones(w.size, dtype=bool) if ranks is None else np.isin(g.rank, list(ranks))
     for name, frac in parts.items():
-        w[sel] -= frac * g.lane_parts[sel, PARTS.index(name)]
+        w[sel] -= frac * g.lane_parts.column(PARTS.index(name))[sel]
     return np.maximum(w, 0.0)
 
 
@@ -372,7 +374,7 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     """Lane weights with each listed rank's work brought down to the median rank's: between two
     anchors every rank has (step bounds, collective arrivals), a rank's lane time above the median
     of the other ranks' (all ranks' when none is left) is scaled down to it."""
-    w = g.lane_parts.sum(axis=1).copy() if w is None else w.copy()
+    w = g.lane_parts.total.copy() if w is None else w.copy()
     seg = _anchor_segments(g)
     has = (g.lane_prev >= 0) & (seg >= 0)
     frame = pd.DataFrame({"rank": g.rank[has], "seg": seg[has], "w": w[has]})
@@ -461,7 +463,8 @@ def critical_segments(g: StepGraph, rep: Replay, s: int) -> list[tuple[float, fl
         a, b = max(rep.time[p], floor), rep.time[v]
         if b <= a:
             continue
-        what = PARTS[int(np.argmax(g.lane_parts[v]))] if cat == LANE and g.lane_parts[v].sum() > 0 else \
+        parts = g.lane_parts.row(v) if cat == LANE else None
+        what = PARTS[int(np.argmax(parts))] if parts is not None and parts.sum() > 0 else \
             "communication" if cat != LANE else "compute"
         out.append((float(a), float(b), int(g.rank[v]), what))
     return out[::-1]
@@ -479,7 +482,7 @@ def critical_path(g: StepGraph, rep: Replay) -> CriticalPath:
         for v, p, cat in chain:
             dt = rep.time[v] - max(rep.time[p], floor)
             if cat == LANE:
-                parts = g.lane_parts[v]
+                parts = g.lane_parts.row(v)
                 tot = parts.sum()
                 if tot > 0:
                     by_part[:len(PARTS)] += parts / tot * dt

@@ -1,0 +1,54 @@
+"""The step graph's lane composition: a (nodes, parts) matrix of microseconds held by column, as
+its non-zero cells (step/graph.py).
+
+Why not the dense matrix: a lane edge carries a few of its parts (compute and an idle class or
+two): 14% of the cells of 1,024 replicated DLRM ranks, whose dense float64 matrix was 2 KB a rank,
+the largest piece of the client's step graph (#20). Edits read whole columns (a part removed
+everywhere) and the row sums (the lane weights); the critical path reads a few rows.
+
+The row sums are those of the dense matrix, taken once where it is built: numpy sums a row of
+ten pairwise, so re-adding only the non-zero cells could differ in the last bit, and the replay
+must not move with the storage."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class LaneParts:
+    total: np.ndarray
+    """Per node, the sum of its row (the lane edge's weight, us); read-only."""
+    rows: tuple[np.ndarray, ...]
+    """Per part, the nodes whose cell is not zero (int32, ascending)."""
+    values: tuple[np.ndarray, ...]
+    """Per part, those cells."""
+
+    @classmethod
+    def of(cls, dense: np.ndarray) -> LaneParts:
+        total = dense.sum(axis=1)
+        total.setflags(write=False)  # edits copy it; the graph is never changed
+        rows = tuple(np.flatnonzero(dense[:, k]).astype(np.int32) for k in range(dense.shape[1]))
+        return cls(total=total, rows=rows, values=tuple(dense[r, k] for k, r in enumerate(rows)))
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.rows)
+
+    def column(self, k: int) -> np.ndarray:
+        out = np.zeros(self.total.size)
+        out[self.rows[k]] = self.values[k]
+        return out
+
+    def row(self, v: int) -> np.ndarray:
+        out = np.zeros(self.n_parts)
+        for k, (r, x) in enumerate(zip(self.rows, self.values)):
+            i = int(np.searchsorted(r, v))
+            if i < r.size and r[i] == v:
+                out[k] = x[i]
+        return out
+
+    def dense(self) -> np.ndarray:
+        return np.stack([self.column(k) for k in range(self.n_parts)], axis=1) if self.n_parts \
+            else np.zeros((self.total.size, 0))
