@@ -206,7 +206,7 @@ def kept_once(loaded, disk: bool = True) -> None:
     for x in ok[1:]:
         assert x.trace.meta["deviceProperties"] is ok[0].trace.meta["deviceProperties"]
     on_disk = [(x.facts, x.trace.events, x.idle, x.timeline.collectives, x.timeline.cover.lanes,
-                x.timeline.cover.drawing) for x in ok]
+                x.timeline.cover.drawing, x.timeline.cover.exposed) for x in ok]
     assert all(isinstance(f, SpilledMap) == disk and all(isinstance(o, Spilled) == disk for o in rest)
                for f, *rest in on_disk)
     if not disk:

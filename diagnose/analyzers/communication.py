@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
 from diagnose.context import Context
@@ -68,12 +69,12 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     # each rank's collectives per step and every recorded size, from one table of every rank's
     allc = collectives_table(run, ("rank", "step", "bytes"), aligned=False)
     counts = allc.groupby(["rank", "step"]).size().groupby(level="rank").mean().tolist() if len(allc) else []
-    sizes = allc["bytes"].dropna().tolist() if len(allc) else []
+    sizes = allc["bytes"].dropna().to_numpy() if len(allc) else np.empty(0)  # not a list: a float object each
     total_ms = float(np.median(list(totals.values())))
     hidden = max(total_ms - ms - wait_ms, 0.0)
     per_step = float(np.median(counts)) if counts else 0.0
-    median_bytes = float(np.median(sizes)) if sizes else float("nan")
-    tiny = per_step >= MANY_COLLECTIVES and (not sizes or median_bytes < SMALL_BYTES)
+    median_bytes = float(np.median(sizes)) if sizes.size else float("nan")
+    tiny = per_step >= MANY_COLLECTIVES and (not sizes.size or median_bytes < SMALL_BYTES)
     largest, reduced, n_reduce = _all_reduces(run)
     cap_mb = ctx.probe_meta("model").get("ddp_bucket_cap_mb")
     if not isinstance(cap_mb, (int, float)) or isinstance(cap_mb, bool):
@@ -84,7 +85,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         "comm_ms_per_step": round(total_ms, 3),
         "overlapped_share": round(hidden / total_ms, 4) if total_ms else 0.0,
         "collectives_per_step": round(per_step, 1),
-        "median_collective_bytes": round(median_bytes) if sizes else "not recorded",
+        "median_collective_bytes": round(median_bytes) if sizes.size else "not recorded",
         "share_of_step": round(share, 4),
     }
     bucket = small or (None if tiny else one_bucket(largest, reduced, metrics["overlapped_share"], cap_mb,
@@ -179,7 +180,10 @@ def _all_reduces(run) -> tuple[float, float, float]:
     c = collectives_table(run, ("rank", "step", "name", "bytes"), aligned=False)
     if c.empty:
         return 0.0, 0.0, 0.0
-    c = c[c["name"].astype(str).str.lower().str.replace("_", "").str.contains("allreduce") & c["bytes"].notna()]
+    # matched once per distinct name (string methods over every row made a copy of each name, thrice)
+    names = c["name"].astype(str)
+    is_ar = {n: "allreduce" in n.lower().replace("_", "") for n in pd.unique(names)}
+    c = c[names.map(is_ar).to_numpy(dtype=bool) & c["bytes"].notna().to_numpy()]
     if c.empty:
         return 0.0, 0.0, 0.0
     g = c.groupby(["rank", "step"])["bytes"]

@@ -146,50 +146,64 @@ def reduce(trace: RankTrace, tl: RankTimeline, idle_gaps: idle.IdleModel | None 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     run = ctx.run
-    per = ctx.facts("host_sync")
+    # the ranks' summaries one at a time, each folded in (#20: all of them held at once were 2.9
+    # MB at 1,024 ranks)
+    n_items = 0
+    has_runtime = False
+    n_calls: dict[int, float] = {}
+    calls: dict[int, int] = {}
+    ms_by_rank: dict[int, float] = {}
+    blocked, items = [], []
+    by_name: dict[str, int] = {}
+    by_cause: dict[str, int] = {}
+    top: list = []
+    for r, p in ctx.facts_each("host_sync"):
+        n_items += p.item_calls
+        has_runtime = has_runtime or p.has_runtime
+        n_calls[r] = p.calls / max(p.steps, 1)
+        calls[r] = p.calls
+        ms_by_rank[r] = p.ms
+        blocked.append(p.blocked_ms)
+        items.append(p.items_per_step)
+        for k, v in p.by_name:
+            by_name[k] = by_name.get(k, 0) + v
+        for k, v in p.by_cause:
+            by_cause[k] = by_cause.get(k, 0) + v
+        # the calls that caused most idle over all ranks, kept as they come (a stable sort: ties
+        # stay in rank order, as one sort of every rank's would leave them)
+        top = sorted(top + [(r, t) for t in p.top], key=lambda rt: (-rt[1][1], -rt[1][2]))[:TOP]
     if not run.is_gpu:
-        n_items = sum(p.item_calls for p in per.values())
         gpus = any(run.traces[r].meta.get("deviceProperties") for r in run.ranks)
         why = ("the trace lists GPUs but holds no GPU events (CUDA activity not recorded): syncs cannot be "
                "timed; profile with ProfilerActivity.CUDA" if gpus else
                "not measurable on CPU: a CPU-only run has no device queue to drain, so .item()/.cpu() stall "
                f"nothing ({n_items} aten::item call(s) seen in the trace)")
         return [not_measurable(ID, TITLE, why)]
-    if not any(p.has_runtime for p in per.values()):
+    if not has_runtime:
         return [not_measurable(ID, TITLE, "no CUDA/HIP runtime events in the trace (sampled or filtered): "
                                "synchronising calls cannot be seen")]
-    n_calls = {r: p.calls / max(p.steps, 1) for r, p in per.items()}
-    if not any(p.calls for p in per.values()):
+    if not any(calls.values()):
         return [passed(ID, TITLE, "no synchronising runtime calls (cudaStreamSynchronize, cudaDeviceSynchronize, "
                        "cudaEventSynchronize, synchronous cudaMemcpy) inside the profiled steps")]
-    ms_by_rank = {r: p.ms for r, p in per.items()}
     ms = float(np.median(list(ms_by_rank.values())))
     share = ms / ctx.mean_step_ms
-    by_name: dict[str, int] = {}
-    by_cause: dict[str, int] = {}
-    for p in per.values():
-        for k, v in p.by_name:
-            by_name[k] = by_name.get(k, 0) + v
-        for k, v in p.by_cause:
-            by_cause[k] = by_cause.get(k, 0) + v
     metrics: dict[str, float | int | str] = {
         "device_idle_after_sync_ms_per_step": round(ms, 3),
         "share_of_step": round(share, 4),
         "sync_calls_per_step": round(float(np.median(list(n_calls.values()))), 1),
-        "host_blocked_in_sync_ms_per_step": round(float(np.median([p.blocked_ms for p in per.values()])), 3),
-        "aten_item_calls_per_step": round(float(np.median([p.items_per_step for p in per.values()])), 1),
+        "host_blocked_in_sync_ms_per_step": round(float(np.median(blocked)), 3),
+        "aten_item_calls_per_step": round(float(np.median(items)), 1),
         "calls_by_name_all_ranks": ", ".join(f"{n} x{c}" for n, c in
                                              sorted(by_name.items(), key=lambda kv: -kv[1])),
         "calls_by_cause_all_ranks": "; ".join(f"{k} x{v}" for k, v in
                                               sorted(by_cause.items(), key=lambda kv: -kv[1])),
     }
-    for r in sorted(per):
+    for r in sorted(ms_by_rank):
         metrics[f"rank{r}_sync_idle_ms"] = round(ms_by_rank[r], 3)
-    top = sorted(((r, t) for r, p in per.items() for t in p.top), key=lambda rt: (-rt[1][1], -rt[1][2]))[:TOP]
     refs = [ctx.event_ref(r, row, f"host blocked {dur / 1000:.3f} ms, device then idle {caused / 1000:.3f} ms; "
                           f"{cause}") for r, (row, caused, dur, cause) in top]
     ranks = tuple(r for r, v in ms_by_rank.items() if v / ctx.mean_step_ms >= th.host_sync) or tuple(
-        r for r in run.ranks if per[r].calls)
+        r for r in run.ranks if calls[r])
     linked = any(run.traces[r].flows for r in run.ranks)
     gaps = idle_completeness(ctx, th)
     if gaps:

@@ -93,12 +93,12 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
 MIN_OP_EXCESS_MS = 0.05  # the healthy floor: below it an op's excess is timer noise
 
 
-def _op_table(ctx: Context, rank: int) -> tuple[list[str], list[int], np.ndarray, np.ndarray] | None:
-    """Every rank's ms and calls per step of each op name: names x ranks, a rank without an op
-    reading as zero (two matrices filled in place: a long frame pivoted was 5 MB at its height at
-    512 ranks). The summaries are read one rank at a time, twice (the names, then the figures):
-    all of them held at once set the client's peak at 1,024 ranks (#20). None when a rank has
-    none, `rank` is not among them, fewer than two ranks have them or none names an op."""
+def _op_table(ctx: Context, rank: int) -> tuple[list[str], list[int], np.ndarray] | None:
+    """Every rank's ms per step of each op name: names x ranks, a rank without an op reading as
+    zero (a matrix filled in place: a long frame pivoted was 5 MB at its height at 512 ranks). The
+    summaries are read one rank at a time, twice (the names, then the figures): all of them held
+    at once set the client's peak at 1,024 ranks (#20). None when a rank has none, `rank` is not
+    among them, fewer than two ranks have them or none names an op."""
     try:
         seen: set[str] = set()
         ranks = []
@@ -110,12 +110,26 @@ def _op_table(ctx: Context, rank: int) -> tuple[list[str], list[int], np.ndarray
     if rank not in ranks or len(ranks) < 2 or not seen:
         return None
     names = sorted(seen)
+    return names, ranks, _figure(ctx, names, "ms")
+
+
+def _figure(ctx: Context, names: list[str], figure: str) -> np.ndarray:
+    """names x ranks (those _op_table found): each rank's `figure` (ms or calls per step) of each
+    name, zero where the rank has not got it; one more read of the summaries."""
     at = {n: i for i, n in enumerate(names)}
-    ms, calls = np.zeros((len(names), len(ranks))), np.zeros((len(names), len(ranks)))
+    out = np.zeros((len(names), len(ctx.run.ranks)))
     for j, (_, f) in enumerate(ctx.facts_each(FACTS)):
-        rows = [at[n] for n in f.names]
-        ms[rows, j], calls[rows, j] = f.ms, f.calls
-    return names, ranks, ms, calls
+        mine = [(at[n], k) for k, n in enumerate(f.names) if n in at]
+        if mine:
+            rows, cols = map(list, zip(*mine))
+            out[rows, j] = getattr(f, figure)[cols]
+    return out
+
+
+def _over_median(m: np.ndarray, me: int) -> np.ndarray:
+    """Per row, column `me` minus the median of the other columns; a row at a time (the other
+    columns taken at once were a copy of the matrix, and the median's partition another)."""
+    return np.array([row[me] - np.median(np.delete(row, me)) for row in m]) if len(m) else np.zeros(0)
 
 
 def _short(name: str) -> str:
@@ -175,11 +189,14 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
     ops, ops_ms = "", 0.0
     table = _op_table(ctx, rank)
     if table is not None:
-        names, ranks, ms, calls = table
-        me, others = ranks.index(rank), [j for j, r in enumerate(ranks) if r != rank]
-        d_ms = pd.Series(ms[:, me] - np.median(ms[:, others], axis=1), index=names)
-        d_calls = pd.Series(calls[:, me] - np.median(calls[:, others], axis=1), index=names)
+        names, ranks, ms = table
+        me = ranks.index(rank)
+        d_ms = pd.Series(_over_median(ms, me), index=names)
+        del ms, table
         top_ops = d_ms[d_ms >= MIN_OP_EXCESS_MS].nlargest(3)
+        # calls only of the ops named: every op's was a second matrix as large
+        calls = _figure(ctx, list(top_ops.index), "calls") if len(top_ops) else np.zeros((0, len(ranks)))
+        d_calls = pd.Series(_over_median(calls, me), index=top_ops.index)
         ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
                                                              else "") for n, v in top_ops.items())
         ops_ms = float(d_ms[d_ms > 0].sum())

@@ -123,7 +123,8 @@ class Keep:
     """How the parent keeps each rank's result as it arrives (#20: the client's peak should not
     grow with the rank count):
     - on disk (ingest/spill.py), what is read once or for a few ranks: the mini timeline (the
-      report draws 16 ranks), the step graph's lanes (read once), and after a reduction the
+      report draws 16 ranks), the step graph's lanes (read once), the exposed communication (read
+      by the breakdown, the communication table and the graph), and after a reduction the
       checks' per-rank summaries (each check reads its own), the idle model (the breakdown), the
       rank's collectives (the run's assembly gathers them: Run.collectives) and the cited events
       (the events findings cite);
@@ -153,12 +154,13 @@ class Keep:
         return self._labels(self._cited_names(df) if names else df)
 
     def take(self, x: Loaded) -> Loaded:
-        """Without a reduction (every event kept, for tools that read them) only the drawing and
-        the lanes go to disk."""
+        """Without a reduction (every event kept, for tools that read them) only the cover's
+        drawing, lanes and exposed communication go to disk."""
         if x.timeline is not None:
             cover = x.timeline.cover
             x.timeline = replace(x.timeline, collectives=self._frame(x.timeline.collectives, x.reduced),
-                                 cover=replace(cover, lanes=self.spill.put(cover.lanes),
+                                 cover=replace(cover, exposed=self.spill.put(cover.exposed),
+                                               lanes=self.spill.put(cover.lanes),
                                                drawing=self.spill.put(cover.drawing)) if cover else None)
         if x.trace is not None:
             # metadata is read, never written, after loading: one copy can serve every rank

@@ -4,9 +4,11 @@ What a rank brings back that the analysis reads once, or for a few ranks only, i
 anonymous temporary file (unlinked at once on POSIX, gone with the run) as it arrives and read
 back when needed (#20: the client's memory should not grow with the rank count):
 - the mini timeline (step/cover.py's Drawing): most of a GPU rank's result (96 of 113 KiB for a
-  26 MB ResNet-50 rank), drawn for 16 ranks at most, after the checklist;
+  26 MB ResNet-50 rank), drawn for 16 ranks at most, after the checklist; the step graph's lanes
+  and the stretches of exposed communication (read once by the graph, the breakdown and the
+  communication table);
 - after the checks' per-rank reductions: their summaries (each read by its own check;
-  SpilledMap), the idle model (read by the breakdown), the step graph's lanes (read once), the
+  SpilledMap), the idle model (read by the breakdown), the
   cited events (read for the events a finding cites) and the rank's collectives (read when the
   run is assembled). Together they took a replicated DLRM rank in the parent from 32.6 to 8.5 KB,
   mostly pandas' and Python's per-object cost, not data (ingest/assemble.Keep).

@@ -43,7 +43,7 @@ def exposed_comm(run: Run, rank: int, waits: dict[int, Intervals]) -> Intervals:
     """The rank's communication that compute_breakdown books as exposed_comm: its exposed set
     (cover.exposed) outside its waits for the last rank alone (waits_by_rank's). For splitting
     that time further (step/bandwidth.py), on the rank's own clock."""
-    exposed_set = run.timelines[rank].cover.exposed
+    exposed_set = run.timelines[rank].cover.exposed_comm()
     mine = waits.get(rank)
     return subtract(exposed_set, mine) if mine is not None and len(mine) else exposed_set
 
@@ -58,7 +58,7 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
         step_us = hi - lo
         compute = column(tl, "compute")
         dl = column(tl, "dataloader_free")
-        exposed_set = tl.cover.exposed
+        exposed_set = tl.cover.exposed_comm()
         exposed = covered(exposed_set, lo, hi)
         waits = all_waits.get(r, Intervals.empty())
         wait = covered(intersect(exposed_set, waits), lo, hi) if len(waits) else np.zeros(lo.size)

@@ -110,11 +110,16 @@ class RankCover:
     """Intervals in the communication set (is there any communication)."""
     n_dataloader: int
     """Intervals in the DataLoader set (is there any DataLoader span)."""
-    exposed: Intervals
+    exposed: Intervals | Spilled
+    """In the parent, on disk until the breakdown, the communication table and the step graph read
+    it, once each (ingest/spill.py; ~1 KB a DLRM rank held): use `exposed_comm()`."""
     lanes: Lanes | Spilled
     """In the parent, on disk until the step graph reads it, once (ingest/spill.py): use `lane_parts`."""
     drawing: Drawing | Spilled
     """In the parent, on disk until the report draws the rank (ingest/spill.py): use `drawn()`."""
+
+    def exposed_comm(self) -> Intervals:
+        return unspilled(self.exposed)
 
     def drawn(self) -> Drawing:
         return unspilled(self.drawing)

@@ -172,7 +172,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         lo = tl.steps.start + off
         hi = tl.steps.end + off
         steps = tl.steps.step
-        blocked = _shift(tl.cover.exposed, off)
+        blocked = _shift(tl.cover.exposed_comm(), off)
         for s, a, b in zip(steps, lo, hi):
             add(r, STEP_START, float(a), int(s), ("start", int(s)))
             add(r, STEP_END, float(b), int(s), ("end", int(s)))
