@@ -29,3 +29,21 @@ def test_weights_cannot_be_edited_in_place():
     lp = LaneParts.of(np.ones((3, 2)))
     with pytest.raises(ValueError):
         lp.total[0] = 0.0
+
+
+def test_built_by_blocks_as_from_the_dense_matrix():
+    """The graph fills it a rank's lane edges at a time, in no order of rows (step/graph.py)."""
+    from diagnose.step.parts import LanePartsBuilder
+
+    rng = np.random.default_rng(5)
+    dense = rng.exponential(1000.0, (300, 10)) * (rng.random((300, 10)) < 0.2)
+    dense[::7] = 0.0  # rows no block writes (collective ends, a lane's first point)
+    b = LanePartsBuilder(300, 10)
+    nodes = rng.permutation(np.setdiff1d(np.arange(300), np.arange(0, 300, 7)))
+    for block in np.array_split(nodes, 9):
+        b.add(block, dense[block])
+    b.add(np.empty(0, dtype=np.int64), np.zeros((0, 10)))
+    got, want = b.build(), LaneParts.of(dense)
+    assert np.array_equal(got.total, want.total) and not got.total.flags.writeable
+    for k in range(10):
+        assert np.array_equal(got.rows[k], want.rows[k]) and np.array_equal(got.values[k], want.values[k])

@@ -51,7 +51,7 @@ from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.collectives import collectives_table, rows_by_value
 from diagnose.step.cover import LANE_SETS
 from diagnose.step.intervals import Intervals, covered, intersect, union
-from diagnose.step.parts import LaneParts
+from diagnose.step.parts import LaneParts, LanePartsBuilder
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
 
 # node kinds, in the order they are processed at equal times
@@ -246,7 +246,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
 
     # lane chains and the composition of each lane edge
     lane_prev = np.full(n, -1, dtype=np.int32)
-    lane_parts = np.zeros((n, len(PARTS)))
+    lane_parts = LanePartsBuilder(n, len(PARTS))
     order_prev = np.full(n, -1, dtype=np.int32)
     nodes_of = rows_by_value(rank, run.ranks)  # in time order within each rank
     for r in run.ranks:
@@ -265,7 +265,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
                          lane_w / np.maximum(parts[:, :COMPUTE].sum(axis=1), 1e-12), 1.0)
         parts[:, :COMPUTE] *= scale[:, None]
         parts[:, COMPUTE] = lane_w - parts[:, :COMPUTE].sum(axis=1)
-        lane_parts[lane[1:]] = parts
+        lane_parts.add(lane[1:], parts)
         # stream order: an arrival after the rank's previous collective ended waits for it
         ends = mine[kind[mine] == COLL_END]
         arr = mine[kind[mine] == ARRIVAL]
@@ -274,7 +274,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             ok = j >= 0
             order_prev[arr[ok]] = ends[j[ok]]
     return StepGraph(rank=rank, kind=kind, time=time, step=step, seg=seg, lane_prev=lane_prev,
-                     lane_parts=LaneParts.of(lane_parts), group=group, transfer=transfer, order_prev=order_prev,
+                     lane_parts=lane_parts.build(), group=group, transfer=transfer, order_prev=order_prev,
                      resume_of=resume_of, lag=lag, after_arrival=after_arrival, n_groups=len(keys),
                      group_key=keys)
 
