@@ -10,8 +10,9 @@ temporary directory. Then, each in its own child process (so peaks do not mix), 
   (diagnose_paths(..., reader=DaskReader)); the cluster's start is timed apart.
 
 Prints wall times, the ratio cluster / local, the client's peak resident memory (VmHWM of the
-child; the workers' are theirs), the bytes that travelled back per rank, and the client's own
-work after the last file arrived (assembly and the checklist: what more workers cannot shorten).
+child; the workers' are theirs) and how much it grew per added rank, the bytes that travelled back
+per rank, and the client's own work after the last file arrived (assembly and the checklist: what
+more workers cannot shorten).
 
     python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks
     python benchmarks/bench_cluster.py --ranks 64        # a quick look
@@ -235,7 +236,24 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for n, lo, cl in rows:
         print("| " + " | ".join(_cells(n, lo, cl)) + " |")
+    for line in _growth(rows):
+        print(line)
     return 0
+
+
+def _growth(rows: list[tuple[int, dict, dict]]) -> list[str]:
+    """Between consecutive rank counts, how much the client's peak grew, in all and per added
+    rank: what "flat" is read against (#20)."""
+    out = []
+    for (n0, *a), (n1, *b) in zip(rows, rows[1:]):
+        cells = []
+        for label, x, y in zip(("single", "cluster"), a, b):
+            if "peak_mb" in x and "peak_mb" in y:
+                d = y["peak_mb"] - x["peak_mb"]
+                cells.append(f"{label} {d:+.1f} MB ({d / x['peak_mb']:+.0%}, {d * 1024 / (n1 - n0):.1f} KB a rank)")
+        if cells:
+            out.append(f"client peak from {n0} to {n1} ranks: " + "; ".join(cells))
+    return out
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ checklist; nothing here decides a finding."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from diagnose.context import Context
 from diagnose.model import Check, Finding
@@ -235,14 +236,21 @@ def _lateness_extra(ctx: Context) -> dict:
     pr = ctx.matched.per_rank
     if pr.empty:
         return {}
-    pr = pr.sort_values(["step", "pg", "seq"])
-    keys = pr[["step", "pg", "seq"]].drop_duplicates().head(200)
-    sub = pr.merge(keys, on=["step", "pg", "seq"])
-    # a column a reader can find in the trace: "step 4 · all_reduce #0", the group only when several
-    name = sub.groupby(["step", "pg", "seq"])["name"].transform("first").astype(str).str.rsplit(":", n=1).str[-1]
-    col = "step " + sub["step"].astype(str) + " · " + name + " #" + sub["seq"].astype(str)
+    key = ["step", "pg", "seq"]
+    # only the columns read: the whole matched table sorted was a copy of every column (#20)
+    pr = pr[["rank", *key, "name", "lateness"]].sort_values(key)
+    keys = pr[key].drop_duplicates().head(200)
+    sub = pr.merge(keys, on=key)
+    # a column a reader can find in the trace: "step 4 · all_reduce #0", the group only when several;
+    # made once per collective (at most 200), not per row: a string of every row, thrice, set the
+    # client's peak at 1,024 ranks
+    by = sub.groupby(key, sort=False)
+    kf = by["name"].first().reset_index()
+    label = "step " + kf["step"].astype(str) + " · " + kf["name"].astype(str).str.rsplit(":", n=1).str[-1] \
+        + " #" + kf["seq"].astype(str)
     if sub["pg"].nunique() > 1:
-        col = col + " (group " + sub["pg"].astype(str) + ")"
+        label = label + " (group " + kf["pg"].astype(str) + ")"
+    col = pd.Series(label.to_numpy(dtype=object)[by.ngroup().to_numpy()], index=sub.index)
     mat = sub.assign(col=col).pivot_table(index="rank", columns="col", values="lateness", sort=False) / 1000
     return {"ranks": [int(r) for r in mat.index], "collectives": [str(c) for c in mat.columns],
             "lateness_ms": np.round(mat.to_numpy(), 3).tolist()}

@@ -46,3 +46,32 @@ def test_a_late_rank_past_the_first_sixteen_is_drawn_and_the_page_says_which_ran
     html = render(diagnosis_dict(d))
     assert f"{MAX_TIMELINE_RANKS} of {WORLD} ranks shown" in html
     assert "on the ranks shown" in html
+
+
+def test_lateness_heatmap_labels_each_collective_as_found_in_the_trace():
+    """One column per collective (step, group, order), labelled as a reader finds it in the trace;
+    the group only when there are several; each cell the rank's lateness in ms; 200 columns at most."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from diagnose.extras import _lateness_extra
+
+    rows = []
+    for rank in (1, 0):
+        for step, pg, seq, name in ((5, "1", 0, "nccl:all_reduce"), (4, "0", 1, "nccl:broadcast"),
+                                    (4, "0", 0, "c10d::allreduce_"), (4, "1", 0, "gloo:all_gather")):
+            rows.append({"rank": rank, "step": step, "pg": pg, "seq": seq, "name": name,
+                         "lateness": 1000.0 * (rank + 1) * (seq + 1), "arrival": 0.0})
+    ctx = SimpleNamespace(matched=SimpleNamespace(per_rank=pd.DataFrame(rows)))
+    got = _lateness_extra(ctx)
+    assert got["collectives"] == ["step 4 · allreduce_ #0 (group 0)", "step 4 · broadcast #1 (group 0)",
+                                  "step 4 · all_gather #0 (group 1)", "step 5 · all_reduce #0 (group 1)"]
+    assert got["ranks"] == [1, 0]
+    assert got["lateness_ms"] == [[2.0, 4.0, 2.0, 2.0], [1.0, 2.0, 1.0, 1.0]]
+    one = _lateness_extra(SimpleNamespace(matched=SimpleNamespace(
+        per_rank=pd.DataFrame([r for r in rows if r["pg"] == "0"]))))
+    assert one["collectives"] == ["step 4 · allreduce_ #0", "step 4 · broadcast #1"]
+    many = pd.DataFrame([{"rank": r, "step": 1, "pg": "0", "seq": s, "name": "x", "lateness": 0.0}
+                         for s in range(250) for r in (0, 1)])
+    assert len(_lateness_extra(SimpleNamespace(matched=SimpleNamespace(per_rank=many)))["collectives"]) == 200

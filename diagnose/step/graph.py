@@ -354,15 +354,16 @@ def without_parts(g: StepGraph, parts: dict[str, float], ranks: set[int] | None 
 def _anchor_segments(g: StepGraph) -> np.ndarray:
     """For each lane node, the anchor it leads to: the next step bound or collective arrival on its
     rank (every rank has those; resume points do not always exist), as that anchor's seg id."""
-    out = np.full(g.time.size, -1, dtype=np.int64)
+    out = np.full(g.time.size, -1, dtype=np.int32)
     # every rank's lane nodes, rank after rank, each in node (time) order: one pass for all ranks
-    # (a pass per rank over every node was O(ranks x nodes): 0.3 s a call at 1,024 ranks)
-    lane = np.flatnonzero(g.kind != COLL_END)
+    # (a pass per rank over every node was O(ranks x nodes): 0.3 s a call at 1,024 ranks); node
+    # positions in 32 bits, as the graph's (#20: this sets the replay's height at 1,024 ranks)
+    lane = np.flatnonzero(g.kind != COLL_END).astype(np.int32)
     lane = lane[np.argsort(g.rank[lane], kind="stable")]
     anchor = g.kind[lane] != RESUME
     # next anchor at or after each position: reverse running minimum of anchor positions; one found
     # past the end of a rank's lane belongs to the next rank: none
-    pos = np.where(anchor, np.arange(lane.size), lane.size)
+    pos = np.where(anchor, np.arange(lane.size, dtype=np.int32), np.int32(lane.size))
     nxt = np.minimum.accumulate(pos[::-1])[::-1] if lane.size else pos
     ok = nxt < lane.size
     ok[ok] = g.rank[lane[nxt[ok]]] == g.rank[lane[ok]]
@@ -379,10 +380,13 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     has = (g.lane_prev >= 0) & (seg >= 0)
     frame = pd.DataFrame({"rank": g.rank[has], "seg": seg[has], "w": w[has]})
     per = frame.groupby(["seg", "rank"])["w"].sum()
-    others = per[~per.index.get_level_values("rank").isin(list(ranks))]
+    del frame
+    listed = per.index.get_level_values("rank").isin(list(ranks))
+    others = per[~listed]
     med = (others if len(others) else per).groupby(level="seg").median()
+    del others
     # every listed rank at once (a pass over every node per rank was O(ranks x nodes) for a group)
-    mine = per[per.index.get_level_values("rank").isin(list(ranks))]
+    mine = per[listed]
     if not len(mine):
         return w
     factor = np.minimum(1.0, med.reindex(mine.index.get_level_values("seg")).to_numpy()
