@@ -66,11 +66,15 @@ def test_allreduce_dominated_model_loses_speedup_to_communication(tmp_path):
 
 
 def test_equally_slow_loader_is_baseline_not_lost_speedup(tmp_path):
+    """The loader is as slow at 1 rank as at 2: it is the baseline's cause and costs no speedup.
+    Not asserted: which bar comes first. Every bar of this job is noise-sized (4 runs, 2026-12-05:
+    the DataLoader's -0.006 to 0.0, the others -0.034 to 0.028), so the first was the DataLoader's
+    once in CI without a broken tool; a loader counted as lost speedup would be a bar of its share
+    of the step (it waits 407 of a 474 ms step: 85%), far past the bound here."""
     s, res = scale(tmp_path, "--pathology", "dataloader")
     assert [f["id"] for f in s["baseline"]][:1] == ["dataloader_starvation"], res.stdout
     bars = {b["id"]: b["lost_speedup"] for b in s["waterfall"]}
-    assert s["waterfall"][0]["id"] != "dataloader_starvation"
-    assert abs(bars["dataloader_starvation"]) < 0.1
+    assert abs(bars["dataloader_starvation"]) < 0.05, bars
     assert "unexplained" in bars
 
 

@@ -28,9 +28,12 @@ CHECKPOINT = ROOT / "examples" / "train_checkpoint.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # Measured idle vs the GPipe bound, absolute: the bound assumes every stage has a core of its own
 # and free hand-offs. Here Python time between ops counts as idle, each send/recv hand-off costs
-# a scheduler wake-up, and two ranks share a 2-core host (measured 0.45-0.55 at m=1, 0.20-0.35 at
-# m=4 with other jobs running beside them).
-BOUND_TOLERANCE = 0.15
+# a scheduler wake-up, and two ranks share a 2-core host, so the idle lies above the bound, by
+# more the more hand-offs (measured 0.45-0.55 at m=1, 0.20-0.35 at m=4 with other jobs running
+# beside them; on a quiet machine, 4 runs of each, 2026-12-05: 0.518-0.522 at m=1, 0.265-0.297 at
+# m=4 hand-written and through ScheduleGPipe; once in CI, 0.353 at m=4). Below the bound only by
+# the noise of timing one step: a bubble reported much smaller than fill and drain allow is wrong.
+BELOW_BOUND, ABOVE_BOUND = 0.05, 0.2
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the example runs on CUDA here; CPU behaviour")
 
 
@@ -80,7 +83,7 @@ def test_bubble_tracks_gpipe_bound(pipeline, m, library):
     measured = f.metrics["idle_fraction"]
     print(f"p=2 m={m} {'ScheduleGPipe' if library else 'hand-written'}: measured idle {measured:.3f} "
           f"vs bound {bound:.3f}")
-    assert abs(measured - bound) <= BOUND_TOLERANCE, f.metrics
+    assert -BELOW_BOUND <= measured - bound <= ABOVE_BOUND, f.metrics
     assert c.status == "flagged"  # 20% and 50% idle: above the 10% line either way
     assert f.events and all(e.name in ("gloo:recv", "c10d::recv_") for e in f.events)
 
