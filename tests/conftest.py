@@ -203,8 +203,14 @@ def kept_once(loaded, disk: bool = True) -> None:
 
     ok = [x for x in loaded if x.trace is not None]
     assert len(ok) >= 2
+    first = ok[0].trace
     for x in ok[1:]:
-        assert x.trace.meta["deviceProperties"] is ok[0].trace.meta["deviceProperties"]
+        assert x.trace.meta["deviceProperties"] is first.meta["deviceProperties"]
+        keys = {k: k for k in first.meta}
+        assert all(k is keys[k] for k in x.trace.meta)
+        mine, theirs = x.trace.meta["distributedInfo"], first.meta["distributedInfo"]  # differs: the rank
+        assert mine is not theirs and all(mine[k] is theirs[k] for k in ("backend", "pg_config") if k in mine)
+        assert x.trace.rank_source is first.rank_source and x.timeline.step_source is ok[0].timeline.step_source
     on_disk = [(x.facts, x.trace.events, x.idle, x.timeline.collectives, x.timeline.cover.lanes,
                 x.timeline.cover.drawing, x.timeline.cover.exposed) for x in ok]
     assert all(isinstance(f, SpilledMap) == disk and all(isinstance(o, Spilled) == disk for o in rest)

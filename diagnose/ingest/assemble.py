@@ -129,8 +129,10 @@ class Keep:
       rank's collectives (the run's assembly gathers them: Run.collectives) and the cited events
       (the events findings cite);
     - what ranks repeat, once: each rank's file metadata is swapped for the first equal copy
-      seen (every rank's result is unpickled into objects of its own; at 1,024 ranks identical
-      device properties were much of the client's memory);
+      seen, value by value, its keys and those of a value that differs by rank too (every rank's
+      result is unpickled into objects of its own; at 1,024 ranks identical device properties
+      were much of the client's memory), and the short texts every rank has (step source, rank
+      source);
     - the column labels of a table kept in memory, once: an Index of ~1.2 KB a rank.
     Where the disk is not to be had, the summaries' op names and the tables' labels are shared
     across ranks instead."""
@@ -159,13 +161,15 @@ class Keep:
         if x.timeline is not None:
             cover = x.timeline.cover
             x.timeline = replace(x.timeline, collectives=self._frame(x.timeline.collectives, x.reduced),
+                                 step_source=self._text(x.timeline.step_source),
                                  cover=replace(cover, exposed=self.spill.put(cover.exposed),
                                                lanes=self.spill.put(cover.lanes),
                                                drawing=self.spill.put(cover.drawing)) if cover else None)
         if x.trace is not None:
-            # metadata is read, never written, after loading: one copy can serve every rank
-            x.trace.meta = {k: self.values.setdefault(json.dumps(v, sort_keys=True, default=str), v)
-                            for k, v in x.trace.meta.items()}
+            x.trace.meta = self._meta(x.trace.meta)
+            x.trace.rank_source = self._text(x.trace.rank_source)
+            if not x.trace.thread_names:
+                x.trace.thread_names = self.values.setdefault("no thread names", {})
             if x.reduced:
                 x.trace.events = self._frame(x.trace.events, True, names=True)
         if x.idle is not None and x.reduced:
@@ -175,6 +179,23 @@ class Keep:
             facts = {k: (v.shared(self.texts) if isinstance(v, SharesText) else v) for k, v in x.facts.items()}
         x.facts = facts
         return x
+
+    def _text(self, s: str) -> str:
+        return self.texts.setdefault(s, s)
+
+    def _meta(self, meta: dict) -> dict:
+        """Metadata is read, never written, after loading: one copy of each value can serve every
+        rank, and of each key. A value that differs by rank (distributedInfo holds the rank) is a
+        dict of its own, its keys and values shared the same way (~0.4 KB a rank of copies)."""
+        def shared(v: object, nested: bool = False) -> object:
+            key = json.dumps(v, sort_keys=True, default=str)
+            if key not in self.values:
+                if nested and isinstance(v, dict):
+                    v = {self._text(k) if isinstance(k, str) else k: shared(x) for k, x in v.items()}
+                self.values[key] = v
+            return self.values[key]
+
+        return {self._text(k): shared(v, nested=True) for k, v in meta.items()}
 
     def _cited_names(self, ev: pd.DataFrame) -> pd.DataFrame:
         """The cited events' names, the same on every rank, shared (what stays in memory without a disk)."""
