@@ -378,22 +378,24 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     w = g.lane_parts.total.copy() if w is None else w.copy()
     seg = _anchor_segments(g)
     has = (g.lane_prev >= 0) & (seg >= 0)
-    frame = pd.DataFrame({"rank": g.rank[has], "seg": seg[has], "w": w[has]})
-    per = frame.groupby(["seg", "rank"])["w"].sum()
-    del frame
-    listed = per.index.get_level_values("rank").isin(list(ranks))
-    others = per[~listed]
-    med = (others if len(others) else per).groupby(level="seg").median()
-    del others
+    # each rank's lane time between two anchors, keyed by one integer per (anchor, rank): a
+    # MultiIndex over every pair set the replay's height at 1,024 ranks (#20); the sums are the
+    # same, each group's nodes added in node order
+    span = int(g.rank.max()) + 1 if g.rank.size else 1
+    key = seg.astype(np.int64) * span + g.rank
+    per = pd.Series(w[has]).groupby(key[has]).sum()
+    per_seg, per_rank = np.divmod(per.index.to_numpy(), span)
+    listed = np.isin(per_rank, list(ranks))
+    others = ~listed if listed.sum() < listed.size else np.ones(listed.size, dtype=bool)  # all ranks' if none is left
+    med = per[others].groupby(per_seg[others]).median()
     # every listed rank at once (a pass over every node per rank was O(ranks x nodes) for a group)
     mine = per[listed]
     if not len(mine):
         return w
-    factor = np.minimum(1.0, med.reindex(mine.index.get_level_values("seg")).to_numpy()
-                        / np.maximum(mine.to_numpy(), 1e-12))
+    factor = np.minimum(1.0, med.reindex(per_seg[listed]).to_numpy() / np.maximum(mine.to_numpy(), 1e-12))
     f = pd.Series(factor, index=mine.index)
     sel = has & np.isin(g.rank, list(ranks))
-    w[sel] *= f.reindex(pd.MultiIndex.from_arrays([seg[sel], g.rank[sel]], names=["seg", "rank"])).fillna(1.0).to_numpy()
+    w[sel] *= f.reindex(key[sel]).fillna(1.0).to_numpy()
     return w
 
 
