@@ -16,6 +16,7 @@ import pytest
 from diagnose.analyzers import checkpoint, dataloader, host_sync
 from diagnose.context import build_context
 from diagnose.probedata import ProbeData
+from diagnose.step.timeline import Steps
 from diagnose.thresholds import DEFAULT
 from tests.conftest import FLOORS, fixture_run, shared, shared_run, threshold_diagnosis
 
@@ -317,7 +318,7 @@ def test_a_gpu_rank_without_steps_has_no_queued_idle_rather_than_nan():
 
     full = load_run([next(shared("hta_nccl_data_rank0of2_a100").glob("*.json*"))], jobs=1)
     tl = full.timelines[0]
-    got = device_wait.reduce(full.traces[0], dataclasses.replace(tl, steps=tl.steps.head(0)))
+    got = device_wait.reduce(full.traces[0], dataclasses.replace(tl, steps=Steps.of(tl.steps.frame().iloc[:0])))
     assert got.ms == 0.0 and got.by_sub_ms and all(v == 0.0 for _, v in got.by_sub_ms)
 
 
@@ -393,7 +394,7 @@ def test_a_rank_without_steps_cites_no_event():
 
     run = _full("cpu_reduce_fp32_2rank")
     tl = run.timelines[0]
-    got = reduce_dtype.reduce(run.traces[0], dataclasses.replace(tl, steps=tl.steps.head(0)))
+    got = reduce_dtype.reduce(run.traces[0], dataclasses.replace(tl, steps=Steps.of(tl.steps.frame().iloc[:0])))
     assert got.matrix_row < 0 and got.fp32_rows == () and got.matrix_us == ()
 
 

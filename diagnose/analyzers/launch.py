@@ -137,8 +137,7 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
     refs: list = []
     figures: dict[str, list] = {k: [] for k in ("long_ms", "queued_ms", "kernels_per_step", "clock_bound_us")}
     kernel_us, delay_us = [], []
-    ops: dict[str, float] = {}  # host ops behind the long gaps, ms per step averaged over the GPU ranks
-    n_gpu = max(sum(1 for tl in run.timelines.values() if tl.is_gpu), 1)
+    host_ops: dict[str, list[float]] = {}  # host ops behind the long gaps: each rank's ms per step
     idle_total = launch_total = 0.0
     linked = n_dev = 0
     for r, x in ctx.facts_each("launch_overhead"):
@@ -161,9 +160,8 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
         if f.median_launch_delay_us is not None:
             delay_us.append(f.median_launch_delay_us)
         for name, v in f.host_ops:
-            ops[name] = ops.get(name, 0.0) + v / n_gpu
-    if len(per_rank) != n_gpu:  # a GPU rank without the summary: average over those that have one
-        ops = {k: v * n_gpu / max(len(per_rank), 1) for k, v in ops.items()}
+            host_ops.setdefault(name, []).append(v)
+    ops = {name: sum(v / len(per_rank) for v in vs) for name, vs in host_ops.items()}  # mean over the ranks
     ms = float(np.median(list(per_rank.values())))
     long_ms = float(np.median(figures["long_ms"]))
     queued_ms = float(np.median(figures["queued_ms"]))

@@ -93,28 +93,29 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankOps:
 MIN_OP_EXCESS_MS = 0.05  # the healthy floor: below it an op's excess is timer noise
 
 
-def _op_table(ctx: Context, rank: int) -> tuple[list[str], list[int], np.ndarray] | None:
+def _op_table(ctx: Context, rank: int) -> tuple[list[str], np.ndarray] | None:
     """Every rank's ms per step of each op name: names x ranks, a rank without an op reading as
     zero (a matrix filled in place: a long frame pivoted was 5 MB at its height at 512 ranks). The
     summaries are read one rank at a time, twice (the names, then the figures): all of them held
     at once set the client's peak at 1,024 ranks (#20). None when a rank has none, `rank` is not
     among them, fewer than two ranks have them or none names an op."""
+    ranks = ctx.run.ranks  # facts_each gives every rank's, or raises
+    if rank not in ranks or len(ranks) < 2:
+        return None
     try:
         seen: set[str] = set()
-        ranks = []
-        for r, f in ctx.facts_each(FACTS):
-            ranks.append(r)
+        for _, f in ctx.facts_each(FACTS):
             seen.update(f.names)
     except RuntimeError:
         return None
-    if rank not in ranks or len(ranks) < 2 or not seen:
+    if not seen:
         return None
     names = sorted(seen)
-    return names, ranks, _figure(ctx, names, "ms")
+    return names, _figure(ctx, names, "ms")
 
 
 def _figure(ctx: Context, names: list[str], figure: str) -> np.ndarray:
-    """names x ranks (those _op_table found): each rank's `figure` (ms or calls per step) of each
+    """names x the run's ranks: each rank's `figure` (ms or calls per step) of each
     name, zero where the rank has not got it; one more read of the summaries."""
     at = {n: i for i, n in enumerate(names)}
     out = np.zeros((len(names), len(ctx.run.ranks)))
@@ -189,14 +190,14 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
     ops, ops_ms = "", 0.0
     table = _op_table(ctx, rank)
     if table is not None:
-        names, ranks, ms = table
-        me = ranks.index(rank)
+        names, ms = table
+        me = ctx.run.ranks.index(rank)
         d_ms = pd.Series(_over_median(ms, me), index=names)
         del ms, table
         top_ops = d_ms[d_ms >= MIN_OP_EXCESS_MS].nlargest(3)
-        # calls only of the ops named: every op's was a second matrix as large
-        calls = _figure(ctx, list(top_ops.index), "calls") if len(top_ops) else np.zeros((0, len(ranks)))
-        d_calls = pd.Series(_over_median(calls, me), index=top_ops.index)
+        # calls only of the ops named (none: no read): every op's was a second matrix as large
+        named = list(top_ops.index)
+        d_calls = pd.Series(_over_median(_figure(ctx, named, "calls"), me) if named else [], index=named, dtype=float)
         ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
                                                              else "") for n, v in top_ops.items())
         ops_ms = float(d_ms[d_ms > 0].sum())

@@ -166,10 +166,9 @@ class Keep:
                                                lanes=self.spill.put(cover.lanes),
                                                drawing=self.spill.put(cover.drawing)) if cover else None)
         if x.trace is not None:
-            x.trace.meta = self._meta(x.trace.meta)
+            x.trace.meta = {self._text(k): self._value(v, nested=True) for k, v in x.trace.meta.items()}
             x.trace.rank_source = self._text(x.trace.rank_source)
-            if not x.trace.thread_names:
-                x.trace.thread_names = self.values.setdefault("no thread names", {})
+            x.trace.thread_names = self._value(x.trace.thread_names)  # {} after a reduction
             if x.reduced:
                 x.trace.events = self._frame(x.trace.events, True, names=True)
         if x.idle is not None and x.reduced:
@@ -183,19 +182,17 @@ class Keep:
     def _text(self, s: str) -> str:
         return self.texts.setdefault(s, s)
 
-    def _meta(self, meta: dict) -> dict:
-        """Metadata is read, never written, after loading: one copy of each value can serve every
-        rank, and of each key. A value that differs by rank (distributedInfo holds the rank) is a
-        dict of its own, its keys and values shared the same way (~0.4 KB a rank of copies)."""
-        def shared(v: object, nested: bool = False) -> object:
-            key = json.dumps(v, sort_keys=True, default=str)
-            if key not in self.values:
-                if nested and isinstance(v, dict):
-                    v = {self._text(k) if isinstance(k, str) else k: shared(x) for k, x in v.items()}
-                self.values[key] = v
-            return self.values[key]
+    def _value(self, v: object, nested: bool = False) -> object:
+        """The first equal copy seen of a value read, never written, after loading (metadata, thread
+        names). `nested`: a dict no rank had before (distributedInfo differs by the rank it holds)
+        is one of its own, its keys and values shared the same way (~0.4 KB a rank of copies)."""
+        key = json.dumps(v, sort_keys=True, default=str)
+        if key not in self.values:
+            if nested and isinstance(v, dict):
+                v = {self._text(k) if isinstance(k, str) else k: self._value(x) for k, x in v.items()}
+            self.values[key] = v
+        return self.values[key]
 
-        return {self._text(k): shared(v, nested=True) for k, v in meta.items()}
 
     def _cited_names(self, ev: pd.DataFrame) -> pd.DataFrame:
         """The cited events' names, the same on every rank, shared (what stays in memory without a disk)."""

@@ -20,18 +20,12 @@ import numpy as np
 @dataclass(frozen=True, slots=True)
 class LaneParts:
     total: np.ndarray
-    """Per node, the sum of its row (the lane edge's weight, us); read-only."""
+    """Per node, the sum of its row (the lane edge's weight, us); read-only. Built by
+    LanePartsBuilder."""
     rows: tuple[np.ndarray, ...]
     """Per part, the nodes whose cell is not zero (int32, ascending)."""
     values: tuple[np.ndarray, ...]
     """Per part, those cells."""
-
-    @classmethod
-    def of(cls, dense: np.ndarray) -> LaneParts:
-        total = dense.sum(axis=1)
-        total.setflags(write=False)  # edits copy it; the graph is never changed
-        rows = tuple(np.flatnonzero(dense[:, k]).astype(np.int32) for k in range(dense.shape[1]))
-        return cls(total=total, rows=rows, values=tuple(dense[r, k] for k, r in enumerate(rows)))
 
     @property
     def n_parts(self) -> int:
@@ -49,10 +43,6 @@ class LaneParts:
             if i < r.size and r[i] == v:
                 out[k] = x[i]
         return out
-
-    def dense(self) -> np.ndarray:
-        return np.stack([self.column(k) for k in range(self.n_parts)], axis=1) if self.n_parts \
-            else np.zeros((self.total.size, 0))
 
 
 class LanePartsBuilder:
@@ -80,5 +70,5 @@ class LanePartsBuilder:
             order = np.argsort(r, kind="stable")
             rows.append(r[order])
             values.append(v[order])
-        self._total.setflags(write=False)
+        self._total.setflags(write=False)  # edits copy it; the graph is never changed
         return LaneParts(total=self._total, rows=tuple(rows), values=tuple(values))

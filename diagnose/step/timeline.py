@@ -129,9 +129,6 @@ class Steps:
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame({"step": self.step, "start": self.start, "end": self.end})
 
-    def head(self, n: int) -> Steps:
-        return Steps(self.step[:n], self.start[:n], self.end[:n])
-
 
 COLLECTIVE_COLUMNS = ("step", "pg", "seq", "name", "arrival", "end", "bytes", "dtype", "row")
 
