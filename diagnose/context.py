@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
@@ -123,6 +123,7 @@ def prune_dead_views(run: Run) -> None:
                 refs.has_reference()
 
 
+BREAKDOWN_FIELDS = tuple(f.name for f in fields(StepBreakdown))
 MAX_GROUPS = 4
 """Late groups peeled one after another at most (two slow hosts, each late by its own amount)."""
 
@@ -172,6 +173,7 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
     groups = late_peers(run, matched, model, th)
     matched = wait_for_group(matched, tuple(r for g in groups for r in g))
     steps = tuple(compute_breakdown(run, matched))
-    table = pd.DataFrame([asdict(s) for s in steps])
+    # the rows' own values, not asdict's copies: each GPU row's split by cause was a dict twice (#20)
+    table = pd.DataFrame({f: [getattr(s, f) for s in steps] for f in BREAKDOWN_FIELDS}) if steps else pd.DataFrame()
     return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {}, model=model,
                    model_error=error, late_groups=groups)

@@ -33,7 +33,8 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
-from diagnose.ingest.spill import Spill, Spilled, Unspilling
+from diagnose.ingest.spill import Spill, Spilled
+from diagnose.ingest.store import compact
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
 from diagnose.step.timeline import RankTimeline, build_timeline, gather_collectives
@@ -62,16 +63,18 @@ as evidence). The idle model is None on CPU ranks, ReduceFailed where building i
 
 @dataclass(slots=True)
 class Run:
-    traces: dict[int, RankTrace]
-    """After a reduction, `events` holds only the rows cited as evidence (and collectives)."""
-    timelines: dict[int, RankTimeline]
+    traces: Mapping[int, RankTrace]
+    """After a reduction, `events` holds only the rows cited as evidence (and collectives); held
+    column-wise, a rank's trace built when looked up (ingest/store.py)."""
+    timelines: Mapping[int, RankTimeline]
+    """After a reduction, held column-wise too (ingest/store.py)."""
     world_size: int | None
     backend: str | None
     clock_offsets_us: dict[int, float]
     """Added to each rank's timestamps to put it on rank-reference time."""
     warnings: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    facts: dict[int, Mapping[str, object]] = field(default_factory=dict)
+    facts: Mapping[int, Mapping[str, object]] = field(default_factory=dict)
     """Per rank, each check's per-rank summary (or ReduceFailed), when loaded with a reduction;
     read from disk at each lookup (Keep)."""
     idle: Mapping[int, IdleModel | ReduceFailed] = field(default_factory=dict)
@@ -452,10 +455,12 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     backends = {t.backend for t in by_rank.values() if t.backend}
     run = Run(traces={r: by_rank[r] for r in timelines}, timelines=timelines, world_size=world,
               backend=next(iter(backends)) if len(backends) == 1 else None, clock_offsets_us={},
-              warnings=warnings, skipped=skipped, facts={r: facts_of[id(by_rank[r])] for r in timelines},
-              idle=Unspilling({r: idle_of[id(by_rank[r])] for r in timelines if idle_of[id(by_rank[r])] is not None}))
+              warnings=warnings, skipped=skipped)
     run.clock_offsets_us = _align_clocks(timelines, run.traces, warnings)
     run.collectives = gather_collectives(timelines)
+    run.traces, run.timelines, run.facts, run.idle = compact(
+        run.traces, timelines, {r: facts_of[id(by_rank[r])] for r in timelines},
+        {r: idle_of[id(by_rank[r])] for r in timelines if idle_of[id(by_rank[r])] is not None})
     if run.missing_ranks:
         found = len(run.ranks)
         miss = run.missing_ranks

@@ -110,6 +110,10 @@ class SpilledMap(Mapping):
     def __init__(self, spill: Spill, keys: tuple[str, ...], at: int, ends: array) -> None:
         self._spill, self._keys, self._at, self._ends = spill, keys, at, ends
 
+    def where(self) -> tuple[Spill, tuple[str, ...], int, array]:
+        """(spill, keys, offset of the first value, each value's end after it): how it is held."""
+        return self._spill, self._keys, self._at, self._ends
+
     def __getitem__(self, key: str) -> Any:
         try:
             i = self._keys.index(key)
@@ -123,21 +127,3 @@ class SpilledMap(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
-
-
-class Unspilling(Mapping):
-    """A dict whose values may be Spilled, read back on lookup (each rank's idle model in Run.idle)."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self, d: dict) -> None:
-        self._d = d
-
-    def __getitem__(self, key: Any) -> Any:
-        return unspilled(self._d[key])
-
-    def __iter__(self) -> Iterator:
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
