@@ -209,8 +209,7 @@ def annotate(findings: tuple[Finding, ...], m: StepModel, th: Thresholds,
              if c not in ONLY_WHEN_FLAGGED or c in flagged}
     by_cause = {c: m.saving(c, r) for c, r in every.items()}
     summary = {
-        "measured_step_ms": round(float(np.mean(list(sg.measured_step_ms(g).values()))), 3)
-        if g.time.size else None,
+        "measured_step_ms": round(float(np.mean(sg.measured_step_ms(g))), 3) if g.time.size else None,
         "replayed_step_ms": round(base.mean_step_ms, 3),
         "fidelity_max_error": round(m.fidelity, 4),
         "replaces_estimates": m.trusted,

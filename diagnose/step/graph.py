@@ -101,6 +101,9 @@ class StepGraph:
     group_key: pd.DataFrame
     """One row per collective instance: step, pg, seq, and what it moved: name, dtype, bytes (the
     largest over its ranks; NaN when not recorded)."""
+    step_nodes: np.ndarray
+    """(k, 2): the STEP_START and STEP_END node of each (rank, step) that has both, in the order of
+    the ends (`step_nodes`): what a replay's step durations are read at."""
 
     @property
     def ranks(self) -> list[int]:
@@ -114,12 +117,13 @@ class Replay:
     via: np.ndarray
     """The predecessor that set each node's time (-1: anchored), and the edge category."""
     via_cat: np.ndarray
-    step_ms: dict[tuple[int, int], float]
-    """(rank, step) -> replayed step duration (ms)."""
+    step_ms: np.ndarray
+    """Replayed duration (ms) of each (rank, step) of StepGraph.step_nodes, in their order: an array,
+    not a dict by (rank, step), which held ~0.2 KB a rank for every replay alive (#20)."""
 
     @property
     def mean_step_ms(self) -> float:
-        return float(np.mean(list(self.step_ms.values()))) if self.step_ms else 0.0
+        return float(np.mean(self.step_ms)) if self.step_ms.size else 0.0
 
 
 def _shift(iv: Intervals, off: float) -> Intervals:
@@ -276,7 +280,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     return StepGraph(rank=rank, kind=kind, time=time, step=step, seg=seg, lane_prev=lane_prev,
                      lane_parts=lane_parts.build(), group=group, transfer=transfer, order_prev=order_prev,
                      resume_of=resume_of, lag=lag, after_arrival=after_arrival, n_groups=len(keys),
-                     group_key=keys)
+                     group_key=keys, step_nodes=step_nodes(rank, step, kind))
 
 
 def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray | None = None) -> Replay:
@@ -320,24 +324,41 @@ def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray 
             e = resume_of[v]
             if t[e] + g.lag[v] > t[v]:
                 t[v], via[v], via_cat[v] = t[e] + g.lag[v], e, ORDER
-    starts = {(int(g.rank[v]), int(g.step[v])): t[v] for v in np.flatnonzero(kind == STEP_START)}
-    step_ms = {(int(g.rank[v]), int(g.step[v])): (t[v] - starts[(int(g.rank[v]), int(g.step[v]))]) / 1000
-               for v in np.flatnonzero(kind == STEP_END) if (int(g.rank[v]), int(g.step[v])) in starts}
-    return Replay(time=t, via=via, via_cat=via_cat, step_ms=step_ms)
+    return Replay(time=t, via=via, via_cat=via_cat, step_ms=_durations_ms(g, t))
 
 
-def measured_step_ms(g: StepGraph) -> dict[tuple[int, int], float]:
-    starts = {(int(g.rank[v]), int(g.step[v])): g.time[v] for v in np.flatnonzero(g.kind == STEP_START)}
-    return {(int(g.rank[v]), int(g.step[v])): (g.time[v] - starts[(int(g.rank[v]), int(g.step[v]))]) / 1000
-            for v in np.flatnonzero(g.kind == STEP_END)}
+def _durations_ms(g: StepGraph, t: np.ndarray) -> np.ndarray:
+    return (t[g.step_nodes[:, 1]] - t[g.step_nodes[:, 0]]) / 1000
+
+
+def step_nodes(rank: np.ndarray, step: np.ndarray, kind: np.ndarray) -> np.ndarray:
+    """StepGraph.step_nodes: per (rank, step), its STEP_START and STEP_END node (the last of each
+    where one repeats), at the first of its ends' positions; (rank, step)s lacking either left out."""
+    starts = {(int(r), int(s)): int(v) for v, r, s in zip(*_of_kind(STEP_START, rank, step, kind))}
+    ends: dict[tuple[int, int], int] = {}
+    for v, r, s in zip(*_of_kind(STEP_END, rank, step, kind)):
+        if (int(r), int(s)) in starts:
+            ends[(int(r), int(s))] = int(v)
+    return np.array([(starts[k], v) for k, v in ends.items()], dtype=np.int64).reshape(-1, 2)
+
+
+def _of_kind(k: int, rank: np.ndarray, step: np.ndarray, kind: np.ndarray) -> tuple[np.ndarray, ...]:
+    v = np.flatnonzero(kind == k)
+    return v, rank[v], step[v]
+
+
+def measured_step_ms(g: StepGraph) -> np.ndarray:
+    """Measured duration (ms) of each (rank, step) of g.step_nodes, in their order."""
+    return _durations_ms(g, g.time)
 
 
 def fidelity(g: StepGraph, rep: Replay | None = None) -> float:
     """Largest relative error of the unedited replay over every (rank, step)."""
     rep = rep or replay(g)
     meas = measured_step_ms(g)
-    errs = [abs(rep.step_ms[k] - v) / v for k, v in meas.items() if v > 0 and k in rep.step_ms]
-    return float(max(errs)) if errs else 0.0
+    ok = meas > 0
+    errs = np.abs(rep.step_ms[ok] - meas[ok]) / meas[ok]
+    return float(errs.max()) if errs.size else 0.0
 
 
 # ---- edits: each returns new lane weights (and transfers); the graph is never changed ----
