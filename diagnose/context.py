@@ -11,6 +11,7 @@ import pandas as pd
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import ReduceFailed, Run, SharesText
 from diagnose.ingest.spill import unspilled
+from diagnose.ingest.store import give_back_freed
 from diagnose.model import EventRef, StepBreakdown
 from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import compute_breakdown
@@ -165,9 +166,11 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None,
 
 def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thresholds = DEFAULT) -> Context:
     matched = match_collectives(run)
+    give_back_freed()  # between phases: what each one built and dropped (ingest/store.give_back_freed)
     model, error = None, None
     try:
         model = step_model(build_graph(run))
+        give_back_freed()
     except Exception as exc:  # noqa: BLE001 - the checks' own estimates stand without the replay
         error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]
     groups = late_peers(run, matched, model, th)

@@ -9,6 +9,7 @@ from diagnose.context import Context, build_context, prune_dead_views
 from diagnose.extras import report_extras
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import Progress, Reader, Run, load_run
+from diagnose.ingest.store import give_back_freed
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
@@ -84,10 +85,12 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     ctx = build_context(run, probes, th)
     checks, warnings = run_checklist(ctx, th)
     prune_dead_views(run)  # once: after every check, before the extras (context.prune_dead_views: why)
+    give_back_freed()
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
     extras = report_extras(ctx, checks, findings, th, link)
+    give_back_freed()
     if ctx.model is not None:
         try:  # each cause's ms from the one model of the step: the replay with it removed
             named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())

@@ -34,7 +34,7 @@ from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
 from diagnose.ingest.spill import Spill, Spilled
-from diagnose.ingest.store import compact
+from diagnose.ingest.store import compact, give_back_freed
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
 from diagnose.step.timeline import RankTimeline, build_timeline, gather_collectives
@@ -461,6 +461,8 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     run.traces, run.timelines, run.facts, run.idle = compact(
         run.traces, timelines, {r: facts_of[id(by_rank[r])] for r in timelines},
         {r: idle_of[id(by_rank[r])] for r in timelines if idle_of[id(by_rank[r])] is not None})
+    del loaded, ok, by_rank, timeline_of, facts_of, idle_of, timelines  # each rank's objects: in the stores now
+    give_back_freed()
     if run.missing_ranks:
         found = len(run.ranks)
         miss = run.missing_ranks

@@ -41,6 +41,7 @@ collective per rank), never over trace events.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +135,32 @@ def _shift(iv: Intervals, off: float) -> Intervals:
 ALL_COLLECTIVE_COLUMNS = tuple(c for c in COLLECTIVE_COLUMNS if c != "row") + ("rank",)
 
 
+class _ByRank:
+    """Each rank's intervals back to back in typed arrays, put once in rank order and read after:
+    a dict of Intervals was four arrays and two objects a rank, held across the build (#20)."""
+
+    def __init__(self) -> None:
+        self._starts, self._ends = array("d"), array("d")
+        self._ranks, self._upto = array("q"), array("q")
+
+    def put(self, r: int, iv: Intervals) -> None:
+        assert not self._ranks or r > self._ranks[-1], "ranks are put in order"
+        self._starts.frombytes(np.ascontiguousarray(iv.starts, dtype=np.float64).tobytes())
+        self._ends.frombytes(np.ascontiguousarray(iv.ends, dtype=np.float64).tobytes())
+        self._ranks.append(r)
+        self._upto.append(len(self._starts))
+
+    def get(self, r: int) -> Intervals:
+        i = bisect_left(self._ranks, r)
+        if i == len(self._ranks) or self._ranks[i] != r:
+            raise KeyError(r)
+        a, b = (self._upto[i - 1] if i else 0), self._upto[i]
+        if a == b:
+            return Intervals.empty()
+        return Intervals(np.frombuffer(self._starts, dtype=np.float64, count=b - a, offset=8 * a),
+                         np.frombuffer(self._ends, dtype=np.float64, count=b - a, offset=8 * a))
+
+
 def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     """The dependency graph of every profiled step of every loaded rank."""
     allc = collectives_table(run, ALL_COLLECTIVE_COLUMNS)
@@ -144,18 +171,21 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     keys = keys.join(what)
     latest = allc.groupby("group")["arrival"].transform("max").to_numpy(dtype=float)
     c_end = np.maximum(allc["end"].to_numpy(dtype=float), latest)  # never before the last arrival
-    c_rank = allc["rank"].to_numpy()
-    c_arr = allc["arrival"].to_numpy(dtype=float)
+    c_rank = allc["rank"].to_numpy().copy()
+    c_arr = allc["arrival"].to_numpy(dtype=float, copy=True)
     c_step = allc["step"].to_numpy().astype(np.int64)
-    c_pg = allc["pg"].to_numpy()
+    c_pg = allc["pg"].to_numpy().copy()
     c_seq = allc["seq"].to_numpy().astype(np.int64)
     c_group = allc["group"].to_numpy().astype(np.int64)
+    del allc  # what is read of it is copied out: every collective row, merged, goes before the nodes come
 
     # node columns, filled per rank, sorted once at the end; typed arrays, not lists: a list holds
-    # a Python number per cell, ~4x the memory (#20: the build of this graph sets the client's peak)
-    # (ref: the collective row a RESUME waited for, a COLL_END's own)
-    cols: dict[str, array] = {k: array("d" if k in ("time", "transfer") else "q")
-                              for k in ("rank", "kind", "time", "step", "seg", "group", "transfer", "ref")}
+    # a Python number per cell, ~4x the memory, and each as narrow as the graph keeps it (#20: the
+    # build of this graph sets the client's peak) (ref: the collective row a RESUME waited for, a
+    # COLL_END's own)
+    cols: dict[str, array] = {k: array(code) for k, code in (
+        ("rank", "i"), ("kind", "b"), ("time", "d"), ("step", "q"), ("seg", "i"), ("group", "i"),
+        ("transfer", "d"), ("ref", "q"))}
     # segment ids: a stable code per (kind, step, pg, seq) so ranks' segments line up
     seg_codes: dict[tuple, int] = {}
     after_rows: set[int] = set()  # RESUME rows that wait for a last arrival, not an end
@@ -167,8 +197,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             cols[k].append(v)
         cols["seg"].append(-1 if seg is None else seg_codes.setdefault(seg, len(seg_codes)))
 
-    blocked_by_rank: dict[int, Intervals] = {}
-    comm_wait: dict[int, Intervals] = {}
+    blocked_by_rank, comm_wait = _ByRank(), _ByRank()  # read again once the nodes are sorted
     rows_of = rows_by_value(c_rank, run.ranks)  # each rank's collective rows, found once (not a scan per rank)
     for r in run.ranks:
         tl = run.timelines[r]
@@ -216,21 +245,26 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             explained[n_b] = True
             i = mine[order[j]]
             add(r, RESUME, max(float(b1), float(c_end[i])), st, None, int(c_group[i]), ref=int(i))
-        blocked_by_rank[r] = Intervals(bl.starts[explained], bl.ends[explained])
+        blocked_by_rank.put(r, Intervals(bl.starts[explained], bl.ends[explained]))
         in_transfer = union(latest[mine], c_end[mine])
-        comm_wait[r] = intersect(Intervals(bl.starts[~explained], bl.ends[~explained]), in_transfer)
+        comm_wait.put(r, intersect(Intervals(bl.starts[~explained], bl.ends[~explained]), in_transfer))
 
-    kind = np.asarray(cols["kind"], dtype=np.int8)
-    time = np.asarray(cols["time"], dtype=float)
+    kind = np.asarray(cols.pop("kind"), dtype=np.int8)
+    time = np.asarray(cols.pop("time"), dtype=float)
     order = np.lexsort((kind, time))
     kind, time = kind[order], time[order]
+
+    def sorted_column(k: str, dtype: type) -> np.ndarray:
+        # each typed column goes as soon as its sorted copy is made: the graph's build sets the
+        # client's peak (#20), and both copies of every column at once were most of it
+        return np.asarray(cols.pop(k), dtype=dtype)[order]
+
     # node ids, ranks, steps and codes fit 32 bits: half the memory of the graph's index columns
-    rank, step, seg, group = (np.asarray(cols[k], dtype=np.int32)[order] for k in ("rank", "step", "seg", "group"))
-    ref = np.asarray(cols["ref"], dtype=np.int64)[order]
-    transfer = np.asarray(cols["transfer"], dtype=float)[order]
+    rank, step, seg, group = (sorted_column(k, np.int32) for k in ("rank", "step", "seg", "group"))
+    ref = sorted_column("ref", np.int64)
+    transfer = sorted_column("transfer", float)
     after_arrival = np.isin(order, list(after_rows))
     n = time.size
-    del cols  # the graph's build sets the client's peak (#20): what is done with goes at once
 
     # COLL_END node of each collective row (its ref): to link resumes
     end_nodes = np.flatnonzero(kind == COLL_END)
@@ -260,10 +294,10 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             continue
         lane_prev[lane[1:]] = lane[:-1]
         a, b = time[lane[:-1]], time[lane[1:]]
-        lane_w = np.maximum(b - a - covered(blocked_by_rank[r], a, b), 0.0)
+        lane_w = np.maximum(b - a - covered(blocked_by_rank.get(r), a, b), 0.0)
         parts = np.zeros((lane.size - 1, len(PARTS)))
         parts[:, :len(LANE_SETS)] = run.timelines[r].cover.lane_parts(a, b, run.clock_offsets_us.get(r, 0.0))
-        parts[:, len(LANE_SETS)] = covered(comm_wait[r], a, b)
+        parts[:, len(LANE_SETS)] = covered(comm_wait.get(r), a, b)
         # what is left is compute and host work; parts never exceed the edge
         scale = np.where(parts[:, :COMPUTE].sum(axis=1) > lane_w,
                          lane_w / np.maximum(parts[:, :COMPUTE].sum(axis=1), 1e-12), 1.0)
