@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
@@ -33,8 +33,8 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
-from diagnose.ingest.spill import Spill, Spilled
-from diagnose.ingest.store import compact, give_back_freed
+from diagnose.ingest.spill import Spill, Spilled, unspilled
+from diagnose.ingest.store import Arrivals, ByRank, give_back_freed
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
 from diagnose.step.timeline import RankTimeline, build_timeline, gather_collectives
@@ -99,19 +99,82 @@ class Run:
         return any(t.is_gpu for t in self.timelines.values())
 
 
-@dataclass(slots=True)
 class Loaded:
-    """One file's outcome: its trace and timeline, or why it cannot be used."""
+    """One file's outcome: its trace and timeline, or why it cannot be used. In the parent, once
+    kept (Keep.take), a reduced rank lies in the run-wide columns of ingest/store.Arrivals and
+    each read of `trace`, `timeline`, `facts` or `idle` builds the object anew: read, never written."""
 
-    path: Path
-    trace: RankTrace | None = None
-    timeline: RankTimeline | None = None
-    error: str | None = None
-    facts: Mapping[str, object] = field(default_factory=dict)
-    """Each check's per-rank summary (on disk in the parent: Keep)."""
-    idle: IdleModel | ReduceFailed | Spilled | None = None
-    reduced: bool = False
-    """The checks' per-rank reductions ran: the events table holds only the cited events."""
+    __slots__ = ("_path", "_trace", "_timeline", "error", "_facts", "_idle", "reduced", "_rows", "_at")
+
+    def __init__(self, path: Path, trace: RankTrace | None = None, timeline: RankTimeline | None = None,
+                 error: str | None = None, facts: Mapping[str, object] | None = None,
+                 idle: IdleModel | ReduceFailed | Spilled | None = None, reduced: bool = False) -> None:
+        self._path, self._trace, self._timeline, self.error = path, trace, timeline, error
+        self._facts = {} if facts is None else facts
+        """Each check's per-rank summary (on disk in the parent: Keep)."""
+        self._idle, self.reduced = idle, reduced
+        """reduced: the checks' per-rank reductions ran: the events table holds only the cited events."""
+        self._rows: Arrivals | None = None
+        self._at = -1
+
+    def __getstate__(self) -> tuple:
+        assert self._rows is None, "a kept rank stays in the process that keeps it"
+        return self._path, self._trace, self._timeline, self.error, self._facts, self._idle, self.reduced
+
+    def __setstate__(self, state: tuple) -> None:
+        self.__init__(*state)
+
+    def hold(self, rows: Arrivals) -> None:
+        """Into the run-wide columns, where this rank fits them (ingest/store.Arrivals.add)."""
+        at = rows.add(self._trace, self._timeline, self._facts, self._idle) \
+            if self.reduced and self._trace is not None and self._timeline is not None else None
+        if at is not None:
+            self._rows, self._at = rows, at
+            self._path = self._trace = self._timeline = self._facts = self._idle = None
+
+    @property
+    def ok(self) -> bool:
+        return self._rows is not None or (self._trace is not None and self._timeline is not None)
+
+    @property
+    def path(self) -> Path:
+        return self._rows.path(self._at) if self._rows is not None else self._path
+
+    @property
+    def trace(self) -> RankTrace | None:
+        return self._rows.trace(self._at) if self._rows is not None else self._trace
+
+    @trace.setter
+    def trace(self, v: RankTrace | None) -> None:
+        assert self._rows is None
+        self._trace = v
+
+    @property
+    def timeline(self) -> RankTimeline | None:
+        return self._rows.timeline(self._at) if self._rows is not None else self._timeline
+
+    @timeline.setter
+    def timeline(self, v: RankTimeline | None) -> None:
+        assert self._rows is None
+        self._timeline = v
+
+    @property
+    def facts(self) -> Mapping[str, object]:
+        return self._rows.facts(self._at) if self._rows is not None else self._facts
+
+    @facts.setter
+    def facts(self, v: Mapping[str, object]) -> None:
+        assert self._rows is None
+        self._facts = v
+
+    @property
+    def idle(self) -> IdleModel | ReduceFailed | Spilled | None:
+        return self._rows.idle(self._at) if self._rows is not None else self._idle
+
+    @idle.setter
+    def idle(self, v: IdleModel | ReduceFailed | Spilled | None) -> None:
+        assert self._rows is None
+        self._idle = v
 
 
 @runtime_checkable
@@ -144,6 +207,11 @@ class Keep:
     values: dict[str, object] = field(default_factory=dict)
     spill: Spill = field(default_factory=Spill)
     labels: dict[tuple, pd.Index] = field(default_factory=dict)
+    rows: Arrivals | None = None
+    """Each reduced rank, once kept, a row of run-wide columns (ingest/store.py)."""
+
+    def __post_init__(self) -> None:
+        self.rows = Arrivals(self.spill)
 
     def _labels(self, df: pd.DataFrame) -> pd.DataFrame:
         key = (tuple(df.columns), str(df.columns.dtype))
@@ -180,6 +248,7 @@ class Keep:
         if facts is x.facts:
             facts = {k: (v.shared(self.texts) if isinstance(v, SharesText) else v) for k, v in x.facts.items()}
         x.facts = facts
+        x.hold(self.rows)
         return x
 
     def _text(self, s: str) -> str:
@@ -308,29 +377,52 @@ def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Redu
     return out_serial
 
 
-def _assign_ranks(traces: list[RankTrace], warnings: list[str]) -> dict[int, RankTrace]:
-    by_rank: dict[int, RankTrace] = {}
-    unknown = [t for t in traces if t.rank is None]
+def _assign_ranks(ok: list[Loaded], warnings: list[str]) -> dict[int, Loaded]:
+    """rank -> its file's outcome. Each trace is looked at once, one at a time (a kept rank's is
+    built at each read: ingest/store.py)."""
+    ranks = [x.trace.rank for x in ok]
+    unknown = [x for x, r in zip(ok, ranks) if r is None]
     if unknown:
-        if len(traces) == 1:
-            unknown[0].rank = 0
-            warnings.append(f"{unknown[0].path.name}: no rank in distributedInfo or file name; assumed rank 0")
+        if len(ok) == 1:
+            ranks[0] = 0
+            if ok[0].ok and isinstance(ok[0]._trace, RankTrace):  # a kept rank gets it where the run is built
+                ok[0]._trace.rank = 0
+            warnings.append(f"{ok[0].path.name}: no rank in distributedInfo or file name; assumed rank 0")
         else:
-            names = ", ".join(t.path.name for t in unknown)
+            names = ", ".join(x.path.name for x in unknown)
             raise DiagnoseError(f"cannot tell the rank of {names} (no distributedInfo, no rankN/workerN "
                                 "in the name); rename the files rankN.json or pass them one at a time",
                                 unknown[0].path)
-    for t in traces:
-        assert t.rank is not None
-        if t.rank in by_rank:
-            raise DiagnoseError(f"two traces for rank {t.rank}: {by_rank[t.rank].path.name} and "
-                                f"{t.path.name} (mixed runs or repeated captures?); pass one run's files",
-                                t.path.parent)
-        by_rank[t.rank] = t
+    by_rank: dict[int, Loaded] = {}
+    for x, r in zip(ok, ranks):
+        assert r is not None
+        if r in by_rank:
+            raise DiagnoseError(f"two traces for rank {r}: {by_rank[r].path.name} and "
+                                f"{x.path.name} (mixed runs or repeated captures?); pass one run's files",
+                                x.path.parent)
+        by_rank[r] = x
     return by_rank
 
 
-def _check_one_run(by_rank: dict[int, RankTrace]) -> int | None:
+class _Traces(Mapping):
+    """rank -> trace of each rank's outcome, each built when read (not all held at once)."""
+
+    def __init__(self, by_rank: Mapping[int, Loaded]) -> None:
+        self._by_rank = by_rank
+
+    def __getitem__(self, r: int) -> RankTrace:
+        t = self._by_rank[r].trace
+        assert t is not None
+        return t
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._by_rank)
+
+    def __len__(self) -> int:
+        return len(self._by_rank)
+
+
+def _check_one_run(by_rank: Mapping[int, RankTrace]) -> int | None:
     sizes = {r: t.world_size for r, t in by_rank.items() if t.world_size}
     distinct = sorted(set(sizes.values()))
     if len(distinct) > 1:
@@ -341,7 +433,7 @@ def _check_one_run(by_rank: dict[int, RankTrace]) -> int | None:
     return distinct[0] if distinct else None
 
 
-def _align_clocks(run_tl: dict[int, RankTimeline], traces: dict[int, RankTrace],
+def _align_clocks(run_tl: Mapping[int, RankTimeline], traces: Mapping[int, RankTrace],
                   warnings: list[str]) -> dict[int, float]:
     """Offsets that put every rank on the reference rank's clock.
 
@@ -388,7 +480,7 @@ def _span_us(t: RankTrace) -> tuple[float, float] | None:
     return t.span_us[0] + off, t.span_us[1] + off
 
 
-def _check_overlap(by_rank: dict[int, RankTrace]) -> None:
+def _check_overlap(by_rank: Mapping[int, RankTrace]) -> None:
     """Profiles of one run overlap in time: two that do not come from two runs."""
     spans = {r: s for r, t in by_rank.items() if (s := _span_us(t)) is not None}
     if len(spans) < 2:
@@ -412,6 +504,39 @@ class Reader(Protocol):
              progress: Progress | None = None) -> list[Loaded]: ...
 
 
+def _hold(run: Run, kept: dict[int, Loaded]) -> None:
+    """The run's ranks: rank-keyed views of their rows where every one lies in the same columns
+    (ingest/store.py), else the objects themselves."""
+    rows = {id(x._rows) for x in kept.values()}
+    held = next(iter(kept.values()))._rows
+    if len(rows) == 1 and held is not None and all(x.timeline.rank == r for r, x in kept.items()):
+        at = {r: x._at for r, x in kept.items()}
+        run.traces, run.timelines, run.facts = ByRank(held, "trace", at), ByRank(held, "timeline", at), \
+            ByRank(held, "facts", at)
+        run.idle = ByRank(held, "idle", {r: p for r, p in at.items() if held.idle(p) is not None})
+        return
+    run.traces = {r: x.trace for r, x in kept.items()}
+    run.timelines = {r: x.timeline for r, x in kept.items()}
+    run.facts = {r: x.facts for r, x in kept.items()}
+    run.idle = _Unspilled({r: i for r, x in kept.items() if (i := x.idle) is not None})
+
+
+class _Unspilled(Mapping):
+    """rank -> its idle model, read back from disk at each lookup where it lies there."""
+
+    def __init__(self, d: dict) -> None:
+        self._d = d
+
+    def __getitem__(self, key: int) -> object:
+        return unspilled(self._d[key])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
 def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, jobs: int | None = None,
              reduce: Reduce | None = None, progress: Progress | None = None, reader: Reader | None = None) -> Run:
     """reduce: each check's per-rank phase (analyzers.reduce_rank); without it every event is kept.
@@ -421,48 +546,44 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     else:
         loaded = load_files(discover_traces(paths), max_bytes, jobs, reduce, progress)
     errors = [x.error for x in loaded if x.error]
-    ok = [x for x in loaded if x.trace is not None and x.timeline is not None]
+    ok = [x for x in loaded if x.ok]
     if not ok:
         raise DiagnoseError(errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more)")
     warnings: list[str] = [f"skipped {e}" for e in errors]
     skipped = list(errors)
     for x in ok:
         warnings += x.trace.warnings
-    by_rank = _assign_ranks([x.trace for x in ok], warnings)
-    timeline_of = {id(x.trace): x.timeline for x in ok}
-    facts_of = {id(x.trace): x.facts for x in ok}
-    idle_of = {id(x.trace): x.idle for x in ok}
-    world = _check_one_run(by_rank)
-    _check_overlap(by_rank)
-    timelines: dict[int, RankTimeline] = {}
-    for r, t in sorted(by_rank.items()):
-        tl = timeline_of[id(t)]
+    by_rank = _assign_ranks(ok, warnings)
+    traces = _Traces(by_rank)
+    world = _check_one_run(traces)
+    _check_overlap(traces)
+    kept: dict[int, Loaded] = {}
+    for r, x in sorted(by_rank.items()):
+        tl = x.timeline
         warnings += tl.warnings
         if len(tl.steps) == 0:
+            t = x.trace
             reason = "no complete training step (no ProfilerStep#N or Optimizer.step markers)"
             if t.salvaged:
                 reason += "; the file was cut before a step ended"
             skipped.append(f"{t.path}: {reason}")
             warnings.append(f"skipped {t.path}: {reason}")
             continue
-        timelines[r] = tl
-    if not timelines:
-        first = next(iter(by_rank.values()))
+        kept[r] = x
+    if not kept:
+        first = traces[next(iter(by_rank))]
         cut = "; the file was cut (killed job?) before a step ended" if first.salvaged and len(by_rank) == 1 else ""
         raise DiagnoseError("no complete training step found (no ProfilerStep#N or Optimizer.step markers; "
                             f"an inference or non-training trace?){cut}",
                             first.path if len(by_rank) == 1 else first.path.parent)
-    backends = {t.backend for t in by_rank.values() if t.backend}
-    run = Run(traces={r: by_rank[r] for r in timelines}, timelines=timelines, world_size=world,
-              backend=next(iter(backends)) if len(backends) == 1 else None, clock_offsets_us={},
-              warnings=warnings, skipped=skipped)
-    run.clock_offsets_us = _align_clocks(timelines, run.traces, warnings)
-    run.collectives = gather_collectives(timelines)
-    run.traces, run.timelines, run.facts, run.idle = compact(
-        run.traces, timelines, {r: facts_of[id(by_rank[r])] for r in timelines},
-        {r: idle_of[id(by_rank[r])] for r in timelines if idle_of[id(by_rank[r])] is not None})
-    del loaded, ok, by_rank, timeline_of, facts_of, idle_of, timelines  # each rank's objects: in the stores now
+    backends = {b for r in by_rank if (b := traces[r].backend)}
+    run = Run(traces={}, timelines={}, world_size=world, backend=next(iter(backends)) if len(backends) == 1 else None,
+              clock_offsets_us={}, warnings=warnings, skipped=skipped)
+    _hold(run, kept)
+    del loaded, ok, by_rank, traces, kept  # each rank lies in its row now, or in the run's dicts
     give_back_freed()
+    run.clock_offsets_us = _align_clocks(run.timelines, run.traces, warnings)
+    run.collectives = gather_collectives(run.timelines)
     if run.missing_ranks:
         found = len(run.ranks)
         miss = run.missing_ranks

@@ -1,19 +1,21 @@
-"""The loaded run's ranks held column-wise: one array per field for every rank, a rank's
-RankTimeline, RankTrace, checks' summaries (SpilledMap) and idle model handle built when it is
-looked up (Run.timelines, .traces, .facts, .idle).
+"""The loaded run's ranks held column-wise, from the moment each arrives: one array per field for
+every rank, a rank's RankTrace, RankTimeline, checks' summaries (SpilledMap) and idle model handle
+built when it is looked up (Loaded's properties while the run is assembled; then Run.traces,
+.timelines, .facts, .idle, rank-keyed views of the same rows).
 
 Why (#20, the client's memory should not grow with the rank count): after the checks' per-rank
-reductions a rank's timeline and trace are a few numbers, a few short arrays and handles to what
-lies on disk, yet as objects of their own (a timeline, its steps' three arrays, its cover, seven
-disk handles and their offsets, a trace, its path, the summaries' map and its offsets) they held
-about 3 KB a replicated DLRM rank in the parent: Python's and numpy's cost per object, not data. Here a rank is a row of arrays that
-every rank shares (its steps and cover rows a slice of one array each), and the objects a reader
-gets are built for it and gone when it is done. The arrays are read-only: what a reader gets is a
-view, and the parent never writes what a rank brought back.
+reductions a rank's result is a few numbers, a few short arrays and handles to what lies on disk,
+yet as objects of their own (a timeline, its steps' three arrays, its cover, seven disk handles
+and their offsets, a trace, its path, the summaries' map and its offsets) it held about 4 KB a
+replicated DLRM rank in the parent while the files arrived: Python's and numpy's cost per object,
+not data, and the memory they left behind once freed stayed the process's. Here a rank is a row
+appended to arrays every rank shares, and the objects a reader gets are built for it and gone when
+it is done. Once read, the arrays are read-only: a reader gets views, and the parent never writes
+what a rank brought back.
 
-Only what is held as the reductions leave it is stored so (no interval sets, events on disk): a
-run loaded without them (tools that read every event) keeps its objects (`compact` gives them
-back unchanged).
+Only a rank held as the reductions leave it (no interval sets, everything read once on disk in
+one spill) is stored so; any other (a run loaded without the reductions, no disk to be had) keeps
+its objects (`Arrivals.add` says no).
 """
 from __future__ import annotations
 
@@ -26,53 +28,173 @@ from typing import Any
 import numpy as np
 
 from diagnose.ingest.load import RankTrace
-from diagnose.ingest.spill import Spilled, SpilledMap, unspilled
-from diagnose.step.cover import RankCover
+from diagnose.ingest.spill import Spill, Spilled, SpilledMap
+from diagnose.step.cover import STEP_SETS, RankCover
 from diagnose.step.timeline import RankTimeline, Steps
 
+_HANDLES = ("events", "collectives", "exposed", "lanes", "drawing", "idle")
+"""What lies on disk for each rank (idle: GPU ranks only): (offset, size) columns."""
+_NUMBERS = {"rank": "q", "flows": "q", "dropped": "q", "bytes_read": "q", "span0": "d", "span1": "d",
+            "n_comm": "q", "n_dl": "q", "facts_at": "q"}
+_FLAGS = ("has_rank", "salvaged", "hip", "has_span", "is_gpu", "device_timed", "has_facts")
+_REFS = ("path", "rank_source", "meta", "thread_names", "trace_warnings", "file", "step_source",
+         "warnings", "facts_keys")
+"""Per rank, a reference to an object most ranks share (metadata, texts) or its own short text."""
 
-class _Handles:
-    """One field's value for each rank where it may lie on disk: (at, size) arrays when every
-    rank's is a Spilled in the same spill, else the objects themselves."""
 
-    __slots__ = ("_spill", "_at", "_size", "_objs")
+class Arrivals:
+    """Each rank's reduced result as a row of run-wide columns, appended as it arrives (`add`),
+    read back by its position (`trace`, `timeline`, `facts`, `idle`)."""
 
-    def __init__(self, values: list[Any]) -> None:
-        spills = {id(v.spill) for v in values if isinstance(v, Spilled)}
-        if values and len(spills) == 1 and all(isinstance(v, Spilled) for v in values):
-            self._spill = values[0].spill
-            self._at = _frozen(np.array([v.at for v in values], dtype=np.int64))
-            self._size = _frozen(np.array([v.size for v in values], dtype=np.int64))
-            self._objs: list[Any] | None = None
+    def __init__(self, spill: Spill) -> None:
+        self._spill = spill
+        self._n = 0
+        self._refs: dict[str, list[Any]] = {k: [] for k in _REFS}
+        self._cols: dict[str, Any] = {k: array(c) for k, c in _NUMBERS.items()}
+        self._cols.update({k: array("b") for k in _FLAGS})
+        for h in _HANDLES:
+            self._cols[h + "_at"], self._cols[h + "_size"] = array("q"), array("q")
+        self._cols.update(step=array("q"), start=array("d"), end=array("d"), steps_upto=array("q"),
+                          per_step=array("d"), facts_ends=array("Q"), facts_upto=array("q"))
+        self._frozen = False
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _on_disk(self, v: Any) -> bool:
+        return isinstance(v, Spilled) and v.spill is self._spill
+
+    def fits(self, trace: RankTrace, tl: RankTimeline, facts: Mapping, idle: Any) -> bool:
+        c = tl.cover
+        return (not self._frozen and c is not None and tl.compute is None and tl.comm is None
+                and tl.dataloader is None and tl.host_busy is None and tl.compiled is None
+                and tl.input_copies is None and tl.comm_threads is None
+                and c.per_step.shape == (len(tl.steps), len(STEP_SETS)) and c.per_step.dtype == np.float64
+                and tl.steps.step.dtype == np.int64 and tl.steps.start.dtype == np.float64
+                and tl.steps.end.dtype == np.float64 and tl.rank == (trace.rank if trace.rank is not None else 0)
+                and all(self._on_disk(v) for v in (trace.events, tl.collectives, c.exposed, c.lanes, c.drawing))
+                and (idle is None or self._on_disk(idle)) and trace.comm_args is None and not trace.thread_names
+                and isinstance(trace.path, Path) and all(type(x) is int for x in (trace.flows, trace.dropped,
+                                                                                   trace.bytes_read))
+                and (trace.span_us is None or all(type(x) is float for x in trace.span_us))
+                and ((isinstance(facts, SpilledMap) and facts.where()[0] is self._spill) or facts == {}))
+
+    def add(self, trace: RankTrace, tl: RankTimeline, facts: Mapping, idle: Any) -> int | None:
+        """The rank's position, or None where it is not held as the reductions leave it (`fits`)."""
+        if not self.fits(trace, tl, facts, idle):
+            return None
+        c, cols, refs = tl.cover, self._cols, self._refs
+        assert c is not None
+        for k, v in (("path", str(trace.path)), ("rank_source", trace.rank_source), ("meta", trace.meta),
+                     ("thread_names", trace.thread_names), ("trace_warnings", trace.warnings or None),
+                     ("file", tl.file), ("step_source", tl.step_source), ("warnings", tl.warnings)):
+            refs[k].append(v)  # an empty list is 56 bytes of its own: None stands for it
+        span = trace.span_us or (0.0, 0.0)
+        for k, v in (("rank", trace.rank if trace.rank is not None else -1), ("flows", trace.flows),
+                     ("dropped", trace.dropped), ("bytes_read", trace.bytes_read), ("span0", span[0]),
+                     ("span1", span[1]), ("n_comm", c.n_comm), ("n_dl", c.n_dataloader)):
+            cols[k].append(v)
+        for k, v in (("has_rank", trace.rank is not None), ("salvaged", trace.salvaged), ("hip", trace.hip),
+                     ("has_span", trace.span_us is not None), ("is_gpu", tl.is_gpu),
+                     ("device_timed", tl.device_timed), ("has_facts", bool(facts))):
+            cols[k].append(bool(v))
+        for h, v in zip(_HANDLES, (trace.events, tl.collectives, c.exposed, c.lanes, c.drawing, idle)):
+            cols[h + "_at"].append(v.at if v is not None else -1)
+            cols[h + "_size"].append(v.size if v is not None else 0)
+        for k in ("step", "start", "end"):
+            cols[k].frombytes(np.ascontiguousarray(getattr(tl.steps, k)).tobytes())
+        cols["steps_upto"].append(len(cols["step"]))
+        cols["per_step"].frombytes(np.ascontiguousarray(c.per_step).tobytes())
+        if facts:
+            _, keys, at, ends = facts.where()
+            refs["facts_keys"].append(keys)
+            cols["facts_at"].append(at)
+            cols["facts_ends"].extend(ends)
         else:
-            self._spill, self._at, self._size, self._objs = None, None, None, list(values)
+            refs["facts_keys"].append(None)
+            cols["facts_at"].append(-1)
+        cols["facts_upto"].append(len(cols["facts_ends"]))
+        self._n += 1
+        return self._n - 1
 
-    def __getitem__(self, i: int) -> Any:
-        if self._objs is not None:
-            return self._objs[i]
-        return Spilled(self._spill, int(self._at[i]), int(self._size[i]))
+    def _freeze(self) -> None:
+        """At the first read: every column as a read-only numpy array (nothing is added after)."""
+        if self._frozen:
+            return
+        out = {}
+        for k, a in self._cols.items():
+            v = np.array(a, dtype=bool if k in _FLAGS else np.dtype(a.typecode))
+            v.setflags(write=False)
+            out[k] = v
+        out["per_step"] = out["per_step"].reshape(-1, len(STEP_SETS))
+        self._cols, self._frozen = out, True
+
+    def _span(self, name: str, i: int) -> tuple[int, int]:
+        upto = self._cols[name + "_upto"]
+        return (int(upto[i - 1]) if i else 0), int(upto[i])
+
+    def _handle(self, h: str, i: int) -> Spilled | None:
+        at = int(self._cols[h + "_at"][i])
+        return Spilled(self._spill, at, int(self._cols[h + "_size"][i])) if at >= 0 else None
+
+    def path(self, i: int) -> Path:
+        return Path(self._refs["path"][i])
+
+    def trace(self, i: int, rank: int | None = None) -> RankTrace:
+        """Rank i's trace (`rank`: the one the run assigned it, where it differs from the file's)."""
+        self._freeze()
+        c, refs = self._cols, self._refs
+        w = refs["trace_warnings"][i]
+        if rank is None and c["has_rank"][i]:
+            rank = int(c["rank"][i])
+        return RankTrace(path=self.path(i), rank=rank, rank_source=refs["rank_source"][i], meta=refs["meta"][i],
+                         events=self._handle("events", i), comm_args=None, thread_names=refs["thread_names"][i],
+                         flows=int(c["flows"][i]), dropped=int(c["dropped"][i]), warnings=w if w is not None else [],
+                         salvaged=bool(c["salvaged"][i]), bytes_read=int(c["bytes_read"][i]),
+                         span_us=(float(c["span0"][i]), float(c["span1"][i])) if c["has_span"][i] else None,
+                         hip=bool(c["hip"][i]))
+
+    def timeline(self, i: int) -> RankTimeline:
+        self._freeze()
+        c, refs = self._cols, self._refs
+        a, b = self._span("steps", i)
+        cover = RankCover(per_step=c["per_step"][a:b], n_comm=int(c["n_comm"][i]), n_dataloader=int(c["n_dl"][i]),
+                          exposed=self._handle("exposed", i), lanes=self._handle("lanes", i),
+                          drawing=self._handle("drawing", i))
+        return RankTimeline(rank=int(c["rank"][i]) if c["has_rank"][i] else 0, file=refs["file"][i],
+                            is_gpu=bool(c["is_gpu"][i]), step_source=refs["step_source"][i],
+                            steps=Steps(step=c["step"][a:b], start=c["start"][a:b], end=c["end"][a:b]),
+                            compute=None, comm=None, dataloader=None, host_busy=None,
+                            collectives=self._handle("collectives", i), comm_threads=None, compiled=None,
+                            warnings=refs["warnings"][i], input_copies=None,
+                            device_timed=bool(c["device_timed"][i]), cover=cover)
+
+    def facts(self, i: int) -> Mapping[str, Any]:
+        self._freeze()
+        if not self._cols["has_facts"][i]:
+            return {}
+        a, b = self._span("facts", i)
+        return SpilledMap(self._spill, self._refs["facts_keys"][i], int(self._cols["facts_at"][i]),
+                          array("Q", self._cols["facts_ends"][a:b].tolist()))
+
+    def idle(self, i: int) -> Spilled | None:
+        self._freeze()
+        return self._handle("idle", i)
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)
-    return a
+class ByRank(Mapping):
+    """rank -> one kind of a rank's result (`trace`, `timeline`, `facts`, or its idle model read
+    back), for the ranks of a run, from their rows in the Arrivals."""
 
+    __slots__ = ("_rows", "_kind", "_ranks", "_pos")
 
-def _concat(parts: list[np.ndarray], dtype: Any, width: int | None = None) -> np.ndarray:
-    if parts:
-        return _frozen(np.concatenate(parts).astype(dtype, copy=False))
-    return _frozen(np.empty((0,) if width is None else (0, width), dtype=dtype))
+    def __init__(self, rows: Arrivals, kind: str, positions: Mapping[int, int]) -> None:
+        self._rows, self._kind = rows, kind
+        self._ranks = np.array(sorted(positions), dtype=np.int64)
+        self._pos = np.array([positions[int(r)] for r in self._ranks], dtype=np.int64)
+        self._ranks.setflags(write=False)
 
-
-class _Ranks(Mapping):
-    """Sorted rank ids and a rank's position among them."""
-
-    __slots__ = ("_ranks",)
-
-    def __init__(self, ranks: list[int]) -> None:
-        self._ranks = _frozen(np.array(sorted(ranks), dtype=np.int64))
-
-    def _pos(self, rank: Any) -> int:
+    def _at(self, rank: Any) -> int:
         if isinstance(rank, (int, np.integer)) and not isinstance(rank, bool):
             i = int(np.searchsorted(self._ranks, rank))
             if i < self._ranks.size and self._ranks[i] == rank:
@@ -87,154 +209,20 @@ class _Ranks(Mapping):
 
     def __contains__(self, rank: object) -> bool:
         try:
-            self._pos(rank)
+            self._at(rank)
         except KeyError:
             return False
         return True
 
     def __getitem__(self, rank: Any) -> Any:
-        i = self._pos(rank)
-        return self._build(int(self._ranks[i]), i)
-
-    def _build(self, rank: int, i: int) -> Any:
-        raise NotImplementedError
-
-
-class TimelineStore(_Ranks):
-    """rank -> RankTimeline as the parent keeps it (`RankTimeline.for_parent`, cover set)."""
-
-    __slots__ = ("_file", "_is_gpu", "_source", "_warnings", "_device_timed", "_off", "_step", "_start",
-                 "_end", "_per_step", "_n_comm", "_n_dl", "_coll", "_exposed", "_lanes", "_drawing")
-
-    def __init__(self, timelines: Mapping[int, RankTimeline]) -> None:
-        super().__init__(list(timelines))
-        tls = [timelines[int(r)] for r in self._ranks]
-        self._file = [t.file for t in tls]
-        self._source = [t.step_source for t in tls]
-        self._warnings = [t.warnings for t in tls]
-        self._is_gpu = _frozen(np.array([t.is_gpu for t in tls], dtype=bool))
-        self._device_timed = _frozen(np.array([t.device_timed for t in tls], dtype=bool))
-        self._off = _frozen(np.concatenate([[0], np.cumsum([len(t.steps) for t in tls])]).astype(np.int64))
-        self._step = _concat([t.steps.step for t in tls], np.int64)
-        self._start = _concat([t.steps.start for t in tls], np.float64)
-        self._end = _concat([t.steps.end for t in tls], np.float64)
-        covers = [t.cover for t in tls]
-        assert all(c is not None for c in covers)
-        width = covers[0].per_step.shape[1] if covers else 0
-        self._per_step = _concat([c.per_step for c in covers], np.float64, width)
-        self._n_comm = _frozen(np.array([c.n_comm for c in covers], dtype=np.int64))
-        self._n_dl = _frozen(np.array([c.n_dataloader for c in covers], dtype=np.int64))
-        self._coll = _Handles([t.collectives for t in tls])
-        self._exposed = _Handles([c.exposed for c in covers])
-        self._lanes = _Handles([c.lanes for c in covers])
-        self._drawing = _Handles([c.drawing for c in covers])
-
-    @staticmethod
-    def fits(tl: RankTimeline) -> bool:
-        """Held as the reductions leave it: no interval sets, a cover whose rows are the steps'."""
-        return (tl.cover is not None and tl.compute is None and tl.comm is None and tl.dataloader is None
-                and tl.host_busy is None and tl.compiled is None and tl.input_copies is None
-                and tl.comm_threads is None and tl.cover.per_step.shape[0] == len(tl.steps)
-                and tl.steps.step.dtype == np.int64 and tl.steps.start.dtype == np.float64
-                and tl.steps.end.dtype == np.float64 and tl.cover.per_step.dtype == np.float64)
-
-    def _build(self, rank: int, i: int) -> RankTimeline:
-        a, b = int(self._off[i]), int(self._off[i + 1])
-        cover = RankCover(per_step=self._per_step[a:b], n_comm=int(self._n_comm[i]), n_dataloader=int(self._n_dl[i]),
-                          exposed=self._exposed[i], lanes=self._lanes[i], drawing=self._drawing[i])
-        return RankTimeline(rank=rank, file=self._file[i], is_gpu=bool(self._is_gpu[i]), step_source=self._source[i],
-                            steps=Steps(step=self._step[a:b], start=self._start[a:b], end=self._end[a:b]),
-                            compute=None, comm=None, dataloader=None, host_busy=None, collectives=self._coll[i],
-                            comm_threads=None, compiled=None, warnings=self._warnings[i], input_copies=None,
-                            device_timed=bool(self._device_timed[i]), cover=cover)
-
-
-class TraceStore(_Ranks):
-    """rank -> RankTrace as the parent keeps it after the reductions (cited events on disk, no
-    args, no thread names). A trace looked up is a fresh object: the parent reads it, never writes."""
-
-    __slots__ = ("_path", "_source", "_meta", "_events", "_names", "_warnings", "_ints", "_flags", "_span")
-
-    def __init__(self, traces: Mapping[int, RankTrace]) -> None:
-        super().__init__(list(traces))
-        ts = [traces[int(r)] for r in self._ranks]
-        self._path = [str(t.path) for t in ts]
-        self._source = [t.rank_source for t in ts]
-        self._meta = [t.meta for t in ts]
-        self._names = [t.thread_names for t in ts]
-        self._warnings = [t.warnings or None for t in ts]  # an empty list is 56 bytes of its own
-        self._events = _Handles([t.events for t in ts])
-        self._ints = _frozen(np.array([(t.flows, t.dropped, t.bytes_read) for t in ts], dtype=np.int64).reshape(-1, 3))
-        self._flags = _frozen(np.array([(t.salvaged, t.hip, t.span_us is not None) for t in ts], dtype=bool).reshape(-1, 3))
-        self._span = _frozen(np.array([t.span_us or (0.0, 0.0) for t in ts], dtype=np.float64).reshape(-1, 2))
-
-    @staticmethod
-    def fits(t: RankTrace) -> bool:
-        return (isinstance(t.events, Spilled) and t.comm_args is None and not t.thread_names
-                and t.rank is not None and isinstance(t.path, Path)
-                and all(type(x) is int for x in (t.flows, t.dropped, t.bytes_read))
-                and (t.span_us is None or all(type(x) is float for x in t.span_us)))
-
-    def _build(self, rank: int, i: int) -> RankTrace:
-        flows, dropped, bytes_read = (int(x) for x in self._ints[i])
-        salvaged, hip, has_span = (bool(x) for x in self._flags[i])
-        w = self._warnings[i]
-        return RankTrace(path=Path(self._path[i]), rank=rank, rank_source=self._source[i], meta=self._meta[i],
-                         events=self._events[i], comm_args=None, thread_names=self._names[i], flows=flows,
-                         dropped=dropped, warnings=w if w is not None else [], salvaged=salvaged,
-                         bytes_read=bytes_read, span_us=(float(self._span[i, 0]), float(self._span[i, 1])) if has_span else None,
-                         hip=hip)
-
-
-class SpilledByRank(_Ranks):
-    """rank -> an object read back from disk at each lookup (a GPU rank's idle model)."""
-
-    __slots__ = ("_handles",)
-
-    def __init__(self, values: Mapping[int, Any]) -> None:
-        super().__init__(list(values))
-        self._handles = _Handles([values[int(r)] for r in self._ranks])
-
-    def _build(self, rank: int, i: int) -> Any:
-        return unspilled(self._handles[i])
-
-
-class FactsStore(_Ranks):
-    """rank -> each check's per-rank summary (a SpilledMap) where every rank's lies in one spill
-    under the same checks: one offset and one row of ends a rank."""
-
-    __slots__ = ("_spill", "_keys", "_at", "_ends")
-
-    def __init__(self, facts: Mapping[int, SpilledMap]) -> None:
-        super().__init__(list(facts))
-        parts = [facts[int(r)].where() for r in self._ranks]
-        self._spill, self._keys = parts[0][0], parts[0][1]
-        self._at = _frozen(np.array([p[2] for p in parts], dtype=np.int64))
-        self._ends = _frozen(np.array([p[3] for p in parts], dtype=np.uint64).reshape(len(parts), len(self._keys)))
-
-    @staticmethod
-    def fits(facts: Mapping[int, Mapping[str, Any]]) -> bool:
-        maps = list(facts.values())
-        if not maps or not all(isinstance(m, SpilledMap) for m in maps):
-            return False
-        spill, keys = maps[0].where()[:2]
-        return all(m.where()[0] is spill and m.where()[1] == keys for m in maps)
-
-    def _build(self, rank: int, i: int) -> SpilledMap:
-        return SpilledMap(self._spill, self._keys, int(self._at[i]), array("Q", self._ends[i].tolist()))
-
-
-def compact(traces: dict[int, RankTrace], timelines: dict[int, RankTimeline], facts: dict[int, Mapping[str, Any]],
-            idle: dict[int, Any]) -> tuple[Mapping[int, RankTrace], Mapping[int, RankTimeline],
-                                           Mapping[int, Mapping[str, Any]], Mapping[int, Any]]:
-    """The run's traces, timelines, checks' summaries and idle models column-wise where every rank
-    is held as the reductions leave it; each unchanged otherwise (idle models read back at each
-    lookup either way)."""
-    t = TraceStore(traces) if traces and all(TraceStore.fits(x) and x.rank == r for r, x in traces.items()) else traces
-    tl = TimelineStore(timelines) if timelines and all(TimelineStore.fits(x) and x.rank == r
-                                                       for r, x in timelines.items()) else timelines
-    f = FactsStore(facts) if FactsStore.fits(facts) else facts
-    return t, tl, f, SpilledByRank(idle)
+        i = self._at(rank)
+        p = int(self._pos[i])
+        if self._kind == "trace":
+            return self._rows.trace(p, int(self._ranks[i]))  # the rank the run assigned it
+        if self._kind == "idle":
+            h = self._rows.idle(p)
+            return h.load() if h is not None else None
+        return getattr(self._rows, self._kind)(p)
 
 
 def _trim() -> Callable[[], object] | None:
@@ -253,7 +241,7 @@ def give_back_freed() -> None:
     """Return the heap's free pages to the system between the analysis's phases (glibc's
     malloc_trim; elsewhere nothing). Each phase's short-lived arrays and tables are freed, but the
     C heap keeps their pages while a long-lived object sits above them, so the client's resident
-    memory only grew, phase after phase, about twice what Python held (#20; measured at 1,024
-    DLRM ranks: a peak 2.5 MB lower with it). Dask trims its workers the same way."""
+    memory only grew, phase after phase (#20; measured at 1,024 DLRM ranks: a peak 2.5 MB lower
+    with it). Dask trims its workers the same way."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
