@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pytest
 
@@ -221,3 +222,24 @@ def test_two_causes_on_one_rank_combined_is_less_than_the_sum():
     # the injected sizes: 256 samples x 0.4 ms of sleep (sleeps overshoot, never undershoot), and
     # the 100 ms sleep on top of that for the straggler (less whatever contention it relieves)
     assert dl.recoverable_ms >= 0.95 * 256 * 0.4 and st.recoverable_ms >= dl.recoverable_ms + 80
+
+
+def test_step_nodes_pair_each_rank_steps_start_and_end_as_a_lookup_by_rank_and_step_would():
+    """StepGraph.step_nodes by sorting: the same pairs, in the same order, as a dict by (rank, step)
+    (the last start and end of a pair that repeats, at its first end's place; a step missing
+    either left out), on random node lists with repeats and gaps."""
+    def by_dict(rank, step, kind):
+        starts = {(int(rank[v]), int(step[v])): int(v) for v in np.flatnonzero(kind == sg.STEP_START)}
+        ends: dict = {}
+        for v in np.flatnonzero(kind == sg.STEP_END):
+            if (int(rank[v]), int(step[v])) in starts:
+                ends[(int(rank[v]), int(step[v]))] = int(v)
+        return np.array([(starts[k], v) for k, v in ends.items()], dtype=np.int64).reshape(-1, 2)
+
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        n = int(rng.integers(0, 60))
+        rank = rng.integers(0, 4, n).astype(np.int32)
+        step = rng.integers(-3, 5, n).astype(np.int32)
+        kind = rng.choice([sg.STEP_START, sg.STEP_END, sg.ARRIVAL], n).astype(np.int8)
+        assert np.array_equal(sg.step_nodes(rank, step, kind), by_dict(rank, step, kind))

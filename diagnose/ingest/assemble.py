@@ -33,7 +33,7 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
-from diagnose.ingest.spill import Spill, Spilled, unspilled
+from diagnose.ingest.spill import Spill, Spilled, SpilledMap, pack, unspilled
 from diagnose.ingest.store import Arrivals, ByRank, give_back_freed
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
@@ -224,7 +224,7 @@ class Keep:
         out = self.spill.put(df) if reduced else df
         if isinstance(out, Spilled):
             return out
-        return self._labels(self._cited_names(df) if names else df)
+        return self._labels(self._cited_names(out) if names else out)
 
     def take(self, x: Loaded) -> Loaded:
         """Without a reduction (every event kept, for tools that read them) only the cover's
@@ -245,8 +245,8 @@ class Keep:
         if x.idle is not None and x.reduced:
             x.idle = self.spill.put(x.idle)
         facts = self.spill.put_map(x.facts) if x.reduced else x.facts
-        if facts is x.facts:
-            facts = {k: (v.shared(self.texts) if isinstance(v, SharesText) else v) for k, v in x.facts.items()}
+        if not isinstance(facts, SpilledMap):
+            facts = {k: (v.shared(self.texts) if isinstance(v, SharesText) else v) for k, v in facts.items()}
         x.facts = facts
         x.hold(self.rows)
         return x
@@ -302,6 +302,28 @@ def load_one(args: tuple[str, int, Reduce | None]) -> Loaded:
         detail = " ".join(str(exc).split())[:200]
         return Loaded(Path(path), error=one_line(f"{path}: could not be read ({INTERNAL_ERROR}: "
                                                  f"{type(exc).__name__}: {detail}; please report it)"))
+
+
+def packed(x: Loaded) -> Loaded:
+    """x with what the parent writes to its spill as it arrives (Keep.take) pickled here, where it
+    was made (spill.Packed): how a worker process or a Dask worker sends a rank back."""
+    tl = x.timeline
+    if tl is not None and tl.cover is not None:
+        c = tl.cover
+        x.timeline = replace(tl, collectives=pack(tl.collectives) if x.reduced else tl.collectives,
+                             cover=replace(c, exposed=pack(c.exposed), lanes=pack(c.lanes), drawing=pack(c.drawing)))
+    if x.reduced:
+        if x.trace is not None:
+            x.trace.events = pack(x.trace.events)
+        if x.idle is not None:
+            x.idle = pack(x.idle)
+        x.facts = {k: pack(v) for k, v in x.facts.items()}
+    return x
+
+
+def load_packed(args: tuple[str, int, Reduce | None]) -> Loaded:
+    """load_one, then `packed`: in a worker."""
+    return packed(load_one(args))
 
 
 def _idle(trace: RankTrace, tl: RankTimeline) -> IdleModel | ReduceFailed | None:
@@ -362,7 +384,7 @@ def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Redu
     if workers > 1 and total >= PARALLEL_MIN_BYTES:
         try:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                futures = {pool.submit(load_one, w): i for i, w in enumerate(work)}
+                futures = {pool.submit(load_packed, w): i for i, w in enumerate(work)}
                 out: list[Loaded | None] = [None] * len(work)
                 for done, fut in enumerate(as_completed(futures), 1):
                     out[futures[fut]] = keep.take(fut.result())

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diagnose.errors import DiagnoseError
-from diagnose.ingest.assemble import INTERNAL_ERROR, Loaded, Progress, Reduce, Keep, load_one
+from diagnose.ingest.assemble import INTERNAL_ERROR, Loaded, Progress, Reduce, Keep, load_one, packed
 from diagnose.ingest.discover import discover_traces
 
 INSTALL = "pip install 'torch-diagnose[dask]'"
@@ -128,8 +128,9 @@ ranks than the local pool's results (tracemalloc after loading)."""
 
 
 def load_remote(batch: list[tuple[str, int, Reduce | None]]) -> list[bytes]:
-    """On a worker: each file's Loaded, pickled here so that what travels is counted exactly."""
-    return [pickle.dumps(load_one(args), protocol=RESULT_PROTOCOL) for args in batch]
+    """On a worker: each file's Loaded, what the client writes to its spill as it arrives already
+    pickled (assemble.packed), pickled here so that what travels is counted exactly."""
+    return [pickle.dumps(packed(load_one(args)), protocol=RESULT_PROTOCOL) for args in batch]
 
 
 def batches(files: list[Listed], at_least: int | None = None) -> list[list[Listed]]:

@@ -65,10 +65,11 @@ class LanePartsBuilder:
 
     def build(self) -> LaneParts:
         rows, values = [], []
-        for r, v in zip(self._rows, self._values):
-            r, v = np.frombuffer(r, dtype=np.int32), np.frombuffer(v, dtype=np.float64)
+        while self._rows:  # each part's typed arrays go once sorted: not every part twice at once
+            r, v = np.frombuffer(self._rows.pop(0), dtype=np.int32), np.frombuffer(self._values.pop(0), dtype=np.float64)
             order = np.argsort(r, kind="stable")
             rows.append(r[order])
             values.append(v[order])
+            del r, v, order
         self._total.setflags(write=False)  # edits copy it; the graph is never changed
         return LaneParts(total=self._total, rows=tuple(rows), values=tuple(values))
