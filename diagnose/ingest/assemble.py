@@ -13,8 +13,9 @@ evidence. The parent holds timelines and summaries, never a rank's raw JSON, who
 event table or interval sets (an interval per kernel: their cover, step/cover.py, is what
 it reads), so its memory grows with the steps and collectives, not the trace sizes, and
 the checks' per-rank work runs in parallel. What it reads once, or for a few ranks, it keeps on
-disk as each rank arrives (Keep, ingest/spill.py). With `--cluster` the same reduction runs on
-Dask workers next to the files (ingest/cluster.py) and only its result travels.
+disk as each rank arrives (Keep, ingest/spill.py), the rest in run-wide columns
+(ingest/store.py). With `--cluster` the same reduction runs on Dask workers next to the files
+(ingest/cluster.py) and only its result travels.
 """
 from __future__ import annotations
 
@@ -100,9 +101,11 @@ class Run:
 
 
 class Loaded:
-    """One file's outcome: its trace and timeline, or why it cannot be used. In the parent, once
-    kept (Keep.take), a reduced rank lies in the run-wide columns of ingest/store.Arrivals and
-    each read of `trace`, `timeline`, `facts` or `idle` builds the object anew: read, never written."""
+    """One file's outcome: its trace and timeline, or why it cannot be used; `facts`, each check's
+    per-rank summary; `reduced`, the checks' per-rank reductions ran (the events table holds only
+    the cited events). In the parent, once kept (Keep.take), a reduced rank lies in the run-wide
+    columns of ingest/store.Arrivals and each read of `path`, `trace`, `timeline`, `facts` or
+    `idle` builds the object anew from its row: read, never written."""
 
     __slots__ = ("_path", "_trace", "_timeline", "error", "_facts", "_idle", "reduced", "_rows", "_at")
 
@@ -110,15 +113,14 @@ class Loaded:
                  error: str | None = None, facts: Mapping[str, object] | None = None,
                  idle: IdleModel | ReduceFailed | Spilled | None = None, reduced: bool = False) -> None:
         self._path, self._trace, self._timeline, self.error = path, trace, timeline, error
-        self._facts = {} if facts is None else facts
-        """Each check's per-rank summary (on disk in the parent: Keep)."""
+        self._facts: Mapping[str, object] = {} if facts is None else facts
         self._idle, self.reduced = idle, reduced
-        """reduced: the checks' per-rank reductions ran: the events table holds only the cited events."""
         self._rows: Arrivals | None = None
         self._at = -1
 
     def __getstate__(self) -> tuple:
-        assert self._rows is None, "a kept rank stays in the process that keeps it"
+        if self._rows is not None:
+            raise TypeError("a kept rank stays in the process that keeps it (ingest/store.py)")
         return self._path, self._trace, self._timeline, self.error, self._facts, self._idle, self.reduced
 
     def __setstate__(self, state: tuple) -> None:
@@ -131,6 +133,10 @@ class Loaded:
         if at is not None:
             self._rows, self._at = rows, at
             self._path = self._trace = self._timeline = self._facts = self._idle = None
+
+    def _writable(self) -> None:
+        if self._rows is not None:
+            raise AttributeError("a kept rank is read, never written (ingest/store.py)")
 
     @property
     def ok(self) -> bool:
@@ -146,7 +152,7 @@ class Loaded:
 
     @trace.setter
     def trace(self, v: RankTrace | None) -> None:
-        assert self._rows is None
+        self._writable()
         self._trace = v
 
     @property
@@ -155,7 +161,7 @@ class Loaded:
 
     @timeline.setter
     def timeline(self, v: RankTimeline | None) -> None:
-        assert self._rows is None
+        self._writable()
         self._timeline = v
 
     @property
@@ -164,7 +170,7 @@ class Loaded:
 
     @facts.setter
     def facts(self, v: Mapping[str, object]) -> None:
-        assert self._rows is None
+        self._writable()
         self._facts = v
 
     @property
@@ -173,7 +179,7 @@ class Loaded:
 
     @idle.setter
     def idle(self, v: IdleModel | ReduceFailed | Spilled | None) -> None:
-        assert self._rows is None
+        self._writable()
         self._idle = v
 
 
@@ -207,7 +213,7 @@ class Keep:
     values: dict[str, object] = field(default_factory=dict)
     spill: Spill = field(default_factory=Spill)
     labels: dict[tuple, pd.Index] = field(default_factory=dict)
-    rows: Arrivals | None = None
+    rows: Arrivals = field(init=False)
     """Each reduced rank, once kept, a row of run-wide columns (ingest/store.py)."""
 
     def __post_init__(self) -> None:
