@@ -11,11 +11,14 @@ back when needed (#20: the client's memory should not grow with the rank count):
   SpilledMap), the idle model (read by the breakdown), the cited events (read for the events a
   finding cites) and the rank's collectives (read when the run is assembled).
 With what else Keep (ingest/assemble.py) shares, a replicated DLRM rank in the parent went from
-32.6 to 4.1 KB, mostly pandas' and Python's per-object cost, not data.
+32.6 to 4.1 KB, mostly pandas' and Python's per-object cost, not data; held as a row of run-wide
+columns (ingest/store.py), 2.4 KB with its collectives. What goes to disk arrives pickled where
+it was made (Packed) and is written as it is.
 Where no temporary file can be made, everything stays in memory: the analysis never depends on
 the disk.
 
-The file holds only what this process pickled itself, never input from a trace file as such.
+The file holds only what this process or its workers pickled (the results of this code), never
+input from a trace file as such.
 """
 from __future__ import annotations
 
