@@ -34,7 +34,7 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
-from diagnose.ingest.spill import Spill, Spilled, SpilledMap, pack, unspilled
+from diagnose.ingest.spill import Spill, Spilled, SpilledMap, Unspilling, pack
 from diagnose.ingest.store import Arrivals, ByRank, give_back_freed
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
@@ -137,6 +137,17 @@ class Loaded:
     def _writable(self) -> None:
         if self._rows is not None:
             raise AttributeError("a kept rank is read, never written (ingest/store.py)")
+
+    @property
+    def row(self) -> tuple[Arrivals, int] | None:
+        """Where a kept rank lies (its columns and position), or None where it keeps its objects."""
+        return (self._rows, self._at) if self._rows is not None else None
+
+    def assume_rank(self, rank: int) -> None:
+        """A file that names no rank, alone: rank `rank`. A kept rank gets it where the run is built
+        (ingest/store.ByRank gives each trace the run's rank)."""
+        if self._trace is not None:
+            self._trace.rank = rank
 
     @property
     def ok(self) -> bool:
@@ -413,8 +424,7 @@ def _assign_ranks(ok: list[Loaded], warnings: list[str]) -> dict[int, Loaded]:
     if unknown:
         if len(ok) == 1:
             ranks[0] = 0
-            if ok[0].ok and isinstance(ok[0]._trace, RankTrace):  # a kept rank gets it where the run is built
-                ok[0]._trace.rank = 0
+            ok[0].assume_rank(0)
             warnings.append(f"{ok[0].path.name}: no rank in distributedInfo or file name; assumed rank 0")
         else:
             names = ", ".join(x.path.name for x in unknown)
@@ -534,11 +544,13 @@ class Reader(Protocol):
 
 def _hold(run: Run, kept: dict[int, Loaded]) -> None:
     """The run's ranks: rank-keyed views of their rows where every one lies in the same columns
-    (ingest/store.py), else the objects themselves."""
-    rows = {id(x._rows) for x in kept.values()}
-    held = next(iter(kept.values()))._rows
-    if len(rows) == 1 and held is not None and all(x.timeline.rank == r for r, x in kept.items()):
-        at = {r: x._at for r, x in kept.items()}
+    (ingest/store.py; a row's timeline already has the rank the run gives it: Arrivals.fits),
+    else the objects themselves."""
+    rows = {id(x.row[0]) if x.row else None for x in kept.values()}
+    first = next(iter(kept.values())).row
+    if len(rows) == 1 and first is not None:
+        held = first[0]
+        at = {r: x.row[1] for r, x in kept.items()}
         run.traces, run.timelines, run.facts = ByRank(held, "trace", at), ByRank(held, "timeline", at), \
             ByRank(held, "facts", at)
         run.idle = ByRank(held, "idle", {r: p for r, p in at.items() if held.idle(p) is not None})
@@ -546,23 +558,7 @@ def _hold(run: Run, kept: dict[int, Loaded]) -> None:
     run.traces = {r: x.trace for r, x in kept.items()}
     run.timelines = {r: x.timeline for r, x in kept.items()}
     run.facts = {r: x.facts for r, x in kept.items()}
-    run.idle = _Unspilled({r: i for r, x in kept.items() if (i := x.idle) is not None})
-
-
-class _Unspilled(Mapping):
-    """rank -> its idle model, read back from disk at each lookup where it lies there."""
-
-    def __init__(self, d: dict) -> None:
-        self._d = d
-
-    def __getitem__(self, key: int) -> object:
-        return unspilled(self._d[key])
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
+    run.idle = Unspilling({r: i for r, x in kept.items() if (i := x.idle) is not None})
 
 
 def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, jobs: int | None = None,

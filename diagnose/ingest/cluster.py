@@ -129,7 +129,8 @@ ranks than the local pool's results (tracemalloc after loading)."""
 
 def load_remote(batch: list[tuple[str, int, Reduce | None]]) -> list[bytes]:
     """On a worker: each file's Loaded, what the client writes to its spill as it arrives already
-    pickled (assemble.packed), pickled here so that what travels is counted exactly."""
+    pickled (assemble.packed), pickled here so that what travels is counted exactly. load_one by
+    this module's name, not assemble.load_packed: tests slow a worker's read through it."""
     return [pickle.dumps(packed(load_one(args)), protocol=RESULT_PROTOCOL) for args in batch]
 
 

@@ -152,3 +152,22 @@ class SpilledMap(Mapping):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class Unspilling(Mapping):
+    """A dict whose values may be Spilled, read back on lookup (each rank's idle model in Run.idle
+    where the ranks keep their objects: ingest/assemble._hold)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict) -> None:
+        self._d = d
+
+    def __getitem__(self, key: Any) -> Any:
+        return unspilled(self._d[key])
+
+    def __iter__(self) -> Iterator:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from diagnose.ingest.load import RankTrace
-from diagnose.ingest.spill import Spill, Spilled, SpilledMap
+from diagnose.ingest.spill import Spill, Spilled, SpilledMap, unspilled
 from diagnose.step.cover import STEP_SETS, RankCover
 from diagnose.step.timeline import RankTimeline, Steps
 
@@ -220,8 +220,7 @@ class ByRank(Mapping):
         if self._kind == "trace":
             return self._rows.trace(p, int(self._ranks[i]))  # the rank the run assigned it
         if self._kind == "idle":
-            h = self._rows.idle(p)
-            return h.load() if h is not None else None
+            return unspilled(self._rows.idle(p))
         return getattr(self._rows, self._kind)(p)
 
 

@@ -135,7 +135,7 @@ def _shift(iv: Intervals, off: float) -> Intervals:
 ALL_COLLECTIVE_COLUMNS = tuple(c for c in COLLECTIVE_COLUMNS if c != "row") + ("rank",)
 
 
-class _ByRank:
+class _Stretches:
     """Each rank's intervals back to back in typed arrays, put once in rank order and read after:
     a dict of Intervals was four arrays and two objects a rank, held across the build (#20)."""
 
@@ -197,7 +197,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             cols[k].append(v)
         cols["seg"].append(-1 if seg is None else seg_codes.setdefault(seg, len(seg_codes)))
 
-    blocked_by_rank, comm_wait = _ByRank(), _ByRank()  # read again once the nodes are sorted
+    blocked_by_rank, comm_wait = _Stretches(), _Stretches()  # read again once the nodes are sorted
     rows_of = rows_by_value(c_rank, run.ranks)  # each rank's collective rows, found once (not a scan per rank)
     for r in run.ranks:
         tl = run.timelines[r]
