@@ -216,7 +216,9 @@ class Keep:
       result is unpickled into objects of its own; at 1,024 ranks identical device properties
       were much of the client's memory), and the short texts every rank has (step source, rank
       source);
-    - the column labels of a table kept in memory, once: an Index of ~1.2 KB a rank.
+    - the column labels of a table kept in memory, once: an Index of ~1.2 KB a rank;
+    - the rest of a reduced rank (steps, cover rows, disk offsets, metadata references): a row of
+      run-wide columns (`rows`, ingest/store.Arrivals), its objects built when read.
     Where the disk is not to be had, the summaries' op names and the tables' labels are shared
     across ranks instead."""
 
