@@ -243,3 +243,47 @@ def test_step_nodes_pair_each_rank_steps_start_and_end_as_a_lookup_by_rank_and_s
         step = rng.integers(-3, 5, n).astype(np.int32)
         kind = rng.choice([sg.STEP_START, sg.STEP_END, sg.ARRIVAL], n).astype(np.int8)
         assert np.array_equal(sg.step_nodes(rank, step, kind), by_dict(rank, step, kind))
+
+
+def test_lane_time_summed_a_block_of_ranks_at_a_time_is_one_groupby_to_the_bit():
+    """The straggler edit sums each (anchor, rank)'s lane time a block of ranks at a time: the
+    same sums, bit for bit, and the same keys in the same order as one groupby over every node."""
+    import pandas as pd
+
+    rng = np.random.default_rng(11)
+    for span in (3, sg.RANK_BLOCK + 1, 3 * sg.RANK_BLOCK + 7):
+        n = 40 * span
+        rank = rng.integers(0, span, n).astype(np.int32)
+        key = rng.integers(0, 9, n).astype(np.int64) * span + rank
+        w = rng.lognormal(3.0, 2.0, n) * rng.choice([1.0, 1e-9, 1e9], n)  # magnitudes where summation order shows
+        one = pd.Series(w).groupby(key).sum()
+        blocks = sg._lane_time(w, key, rank, span)
+        assert np.array_equal(blocks.index.to_numpy(), one.index.to_numpy())
+        assert np.array_equal(blocks.to_numpy(), one.to_numpy())
+
+
+def test_straggler_edit_scales_each_listed_rank_as_a_lookup_by_anchor_and_rank_would(tmp_path):
+    """rank_at_median against the lookup it replaces (a pandas reindex of each node's (anchor,
+    rank) factor, NaN and missing as 1): the same weights to the bit, for several rank sets."""
+    import pandas as pd
+
+    g = build_context(load_run([SHARED / "param_dlrm_8rank_v100"], reduce=reduce_rank), None).model.graph
+    seg = sg._anchor_segments(g)
+    has = (g.lane_prev >= 0) & (seg >= 0)
+    span = int(g.rank.max()) + 1
+    key = seg.astype(np.int64) * span + g.rank
+    w0 = g.lane_parts.total * np.linspace(0.5, 2.0, g.time.size)
+    per = pd.Series(w0[has]).groupby(key[has]).sum()
+    for ranks in ({1}, {0, 5}, set(range(8))):
+        per_seg, per_rank = np.divmod(per.index.to_numpy(), span)
+        listed = np.isin(per_rank, list(ranks))
+        others = ~listed if listed.sum() < listed.size else np.ones(listed.size, dtype=bool)
+        med = per[others].groupby(per_seg[others]).median()
+        mine = per[listed]
+        f = pd.Series(np.minimum(1.0, med.reindex(per_seg[listed]).to_numpy() / np.maximum(mine.to_numpy(), 1e-12)),
+                      index=mine.index)
+        want = w0.copy()
+        sel = has & np.isin(g.rank, list(ranks))
+        want[sel] *= f.reindex(key[sel]).fillna(1.0).to_numpy()
+        got = sg.rank_at_median(g, ranks, w0)
+        assert np.array_equal(got, want) and not np.array_equal(got, w0)

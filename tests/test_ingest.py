@@ -254,12 +254,14 @@ def test_unexpected_reader_error_costs_one_file_not_the_run(tmp_path, monkeypatc
 def test_parallel_and_serial_loading_agree(tmp_path, monkeypatch):
     import diagnose.ingest.assemble as run_mod
 
-    for r in range(3):
-        write(tmp_path, f"rank{r}.json", steps_trace(4, rank=r, world=3))
+    for r in range(5):
+        write(tmp_path, f"rank{r}.json", steps_trace(4, rank=r, world=5))
     files = sorted(tmp_path.iterdir())
     serial = load_files(files, 1 << 30, jobs=1, reduce=reduce_rank)
     monkeypatch.setattr(run_mod, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(run_mod, "IN_FLIGHT", 1)  # two files in flight: the other three queued as those finish
     parallel = load_files(files, 1 << 30, jobs=2, reduce=reduce_rank)
+    assert [x.trace.rank for x in parallel] == [x.trace.rank for x in serial] == list(range(5))
     for a, b in zip(serial, parallel):
         assert unspilled(a.trace.events).equals(unspilled(b.trace.events)) and a.timeline.steps.frame().equals(b.timeline.steps.frame())
         assert dict(a.facts) == dict(b.facts) and a.facts

@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -43,6 +44,7 @@ from diagnose.units import rank_ranges
 
 # Below this much JSON in total, worker processes cost more to start than they save.
 PARALLEL_MIN_BYTES = 32 * 1024**2
+IN_FLIGHT = 4  # files queued a local worker: enough that none waits on the parent
 GZIP_RATIO = 8
 INTERNAL_ERROR = "internal error"
 # Profiles of one run overlap in time; across hosts, clocks may disagree by this much.
@@ -403,11 +405,21 @@ def load_files(files: list[Path], max_bytes: int, jobs: int | None, reduce: Redu
     if workers > 1 and total >= PARALLEL_MIN_BYTES:
         try:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                futures = {pool.submit(load_packed, w): i for i, w in enumerate(work)}
                 out: list[Loaded | None] = [None] * len(work)
-                for done, fut in enumerate(as_completed(futures), 1):
-                    out[futures[fut]] = keep.take(fut.result())
-                    tell(done, len(work), Path(work[futures[fut]][0]).name)
+                # A few files in flight a worker, not one future a file: each future holds ~1 KB
+                # (its lock and condition) until the pool closes, ~1 MB at 1,024 ranks.
+                todo = iter(enumerate(work))
+                pending = {pool.submit(load_packed, w): i for i, w in islice(todo, IN_FLIGHT * workers)}
+                done = 0
+                while pending:
+                    finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        i = pending.pop(fut)
+                        out[i] = keep.take(fut.result())
+                        done += 1
+                        tell(done, len(work), Path(work[i][0]).name)
+                        for j, w in islice(todo, 1):
+                            pending[pool.submit(load_packed, w)] = j
                 return [x for x in out if x is not None]
         except (OSError, BrokenProcessPool):
             pass  # no processes to be had (sandbox, limits, a worker killed): read here instead

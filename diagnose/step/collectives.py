@@ -67,8 +67,11 @@ def match_collectives(run: Run) -> Matched:
     allc = collectives_table(run, tuple(c for c in COLLECTIVE_COLUMNS if c != "dtype") + ("rank", "dur"))
     if allc["rank"].nunique() < 2:  # matching needs two ranks with collectives in their steps
         return empty
+    n_rows = len(allc)
     counts = allc.groupby(KEY)["rank"].transform("size")
-    matched = allc[counts >= 2].copy()
+    # every row matched (the usual case): the table itself, not a copy beside it
+    matched = allc if bool((counts >= 2).all()) else allc[counts >= 2].copy()
+    del allc, counts
     if matched.empty:
         return Matched(matched, pd.DataFrame(columns=KEY), 0.0)
     g = matched.groupby(KEY)
@@ -79,7 +82,8 @@ def match_collectives(run: Run) -> Matched:
     matched["tail_wait"] = np.clip(leave - np.maximum(matched["arrival"], matched["second"]), 0, None)
     matched["lateness"] = matched["arrival"] - g["arrival"].transform("median")
 
-    ordered = matched.sort_values(KEY + ["arrival"])
+    # the columns read, not the whole table (a copy of it was the matching's peak, #20)
+    ordered = matched[KEY + ["rank", "arrival"]].sort_values(KEY + ["arrival"])
     last = ordered.groupby(KEY).tail(1).set_index(KEY)
     second = ordered.groupby(KEY).nth(-2).set_index(KEY)
     per_coll = pd.DataFrame({
@@ -89,7 +93,7 @@ def match_collectives(run: Run) -> Matched:
         "gap": last["arrival"] - second["arrival"],
         "names_agree": g["name"].nunique() == 1,
     }).reset_index()
-    return Matched(matched.reset_index(drop=True), per_coll, len(matched) / max(len(allc), 1))
+    return Matched(matched.reset_index(drop=True), per_coll, len(matched) / max(n_rows, 1))
 
 
 def late_group(lateness_ms: pd.Series, min_gap_ms: float, limit: int | None = None) -> list[int]:

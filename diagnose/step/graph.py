@@ -108,7 +108,7 @@ class StepGraph:
 
     @property
     def ranks(self) -> list[int]:
-        return sorted(set(self.rank.tolist()))
+        return np.unique(self.rank).tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,16 +444,18 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     anchors every rank has (step bounds, collective arrivals), a rank's lane time above the median
     of the other ranks' (all ranks' when none is left) is scaled down to it."""
     w = g.lane_parts.total.copy() if w is None else w.copy()
+    # the lane nodes that lead to an anchor, by position: every array below is theirs, not the
+    # graph's (arrays the graph's length set the replay's height at 1,024 ranks, #20)
     seg = _anchor_segments(g)
-    has = (g.lane_prev >= 0) & (seg >= 0)
-    # each rank's lane time between two anchors, keyed by one integer per (anchor, rank): a
-    # MultiIndex over every pair set the replay's height at 1,024 ranks (#20); the sums are the
-    # same, each group's nodes added in node order
+    at_h = np.flatnonzero((g.lane_prev >= 0) & (seg >= 0)).astype(np.int32)
     span = int(g.rank.max()) + 1 if g.rank.size else 1
-    key = seg.astype(np.int64) * span + g.rank
-    per = pd.Series(w[has]).groupby(key[has]).sum()
+    rank = g.rank[at_h]
+    key = seg[at_h].astype(np.int64) * span + rank  # one integer per (anchor, rank)
+    del seg
+    per = _lane_time(w[at_h], key, rank, span)
     per_seg, per_rank = np.divmod(per.index.to_numpy(), span)
     listed = np.isin(per_rank, list(ranks))
+    del per_rank
     others = ~listed if listed.sum() < listed.size else np.ones(listed.size, dtype=bool)  # all ranks' if none is left
     med = per[others].groupby(per_seg[others]).median()
     # every listed rank at once (a pass over every node per rank was O(ranks x nodes) for a group)
@@ -461,10 +463,37 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     if not len(mine):
         return w
     factor = np.minimum(1.0, med.reindex(per_seg[listed]).to_numpy() / np.maximum(mine.to_numpy(), 1e-12))
-    f = pd.Series(factor, index=mine.index)
-    sel = has & np.isin(g.rank, list(ranks))
-    w[sel] *= f.reindex(key[sel]).fillna(1.0).to_numpy()
+    keys = mine.index.to_numpy()
+    del per, per_seg, med, mine, others, listed
+    # each listed node's factor looked up in the ascending keys (a pandas reindex over every node
+    # held hash tables the size of the graph): every one is there (per holds each node's key, and
+    # the node's rank is listed); a NaN factor (no other rank reaches that anchor) leaves it be
+    sel = np.isin(rank, list(ranks))
+    at_h, key = at_h[sel], key[sel]
+    at = np.minimum(np.searchsorted(keys, key), keys.size - 1).astype(np.int32)
+    del key, keys, sel, rank
+    keep = ~np.isnan(factor[at])
+    w[at_h[keep]] *= factor[at[keep]]
     return w
+
+
+RANK_BLOCK = 128
+"""Ranks summed together in _lane_time."""
+
+
+def _lane_time(w: np.ndarray, key: np.ndarray, rank: np.ndarray, span: int) -> pd.Series:
+    """Lane weights `w` summed by key (one per (anchor, rank)), keys ascending. Summed by pandas
+    (compensated, each group's nodes in node order) a block of ranks at a time: a key's nodes all
+    lie on one rank, so the sums are those of one groupby over every node, whose tables set the
+    replay's height at 1,024 ranks (#20)."""
+    if span <= RANK_BLOCK:
+        return pd.Series(w).groupby(key).sum()
+    parts = []
+    for lo in range(0, span, RANK_BLOCK):
+        sel = (rank >= lo) & (rank < lo + RANK_BLOCK)
+        if sel.any():
+            parts.append(pd.Series(w[sel]).groupby(key[sel]).sum())
+    return pd.concat(parts).sort_index() if parts else pd.Series(w).groupby(key).sum()
 
 
 def best_transfers(g: StepGraph) -> np.ndarray:
