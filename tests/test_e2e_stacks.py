@@ -18,6 +18,7 @@ from tests.conftest import ROOT, _free_port, run_dir
 pytestmark = pytest.mark.e2e
 
 STEPS = 10
+SLEEP_MS = 150  # the straggler's sleep before each backward (examples/stack_common.py: --straggler-ms)
 
 
 def run_stack(out, script: str, *args: str, env: dict | None = None):
@@ -51,8 +52,12 @@ def assert_probed_like_a_plain_loop(d: dict, records: dict, stdout: str, collect
     assert kind in kinds, kinds
     top = d["findings"][0]
     assert top["id"] == "straggler" and top["ranks"] == [1], stdout
-    # the waiting rank's time in the collective is the straggler's doing, not exposed communication
-    assert "exposed_communication" not in [f["id"] for f in d["findings"]], stdout
+    # the waiting rank's time in the collective is the straggler's doing, not exposed communication:
+    # booked as exposed it would be ~150 ms a step. The transfers' own exposed time is real and grows
+    # with the machine's load (gloo shares the 2 cores): flagged at 24 ms a step (10.5%, threshold
+    # 10%) on a slow day (2026-12-05, CI of 828de6e), so its size is what is checked, not its flag
+    exposed = [f for f in d["findings"] if f["id"] == "exposed_communication"]
+    assert not exposed or exposed[0]["recoverable_ms"] < SLEEP_MS / 3, stdout
     assert d["extras"]["replay"]["fidelity_max_error"] <= 0.05
 
 

@@ -199,8 +199,11 @@ def test_ctrl_c_stops_every_job_process_and_analyses_what_was_written(tmp_path):
         steps = []
         while len(steps) < 2 or steps[-1] <= steps[0]:  # steps advancing on rank 0, past the traced ones
             if launcher.poll() is not None:  # say why: a red test must name what broke
-                pytest.fail(f"the launcher exited {launcher.returncode} before stepping: "
-                            f"{launcher.stderr.read()[-2000:]}")
+                err = launcher.stderr.read()
+                # the rank's own last words (an abort's reason) come before torchrun's summary: both
+                why = [ln.strip() for ln in err.splitlines()
+                       if any(k in ln for k in ("terminate called", "what():", "Error: ", "Exception: "))][:8]
+                pytest.fail(f"the launcher exited {launcher.returncode} before stepping: {why} ... {err[-1500:]}")
             assert time.monotonic() < deadline, "the job did not start stepping"
             time.sleep(0.5)
             log = next(iter(tmp_path.glob("*/traces/rank0.steps.jsonl")), None)
