@@ -267,6 +267,32 @@ def test_parallel_and_serial_loading_agree(tmp_path, monkeypatch):
         assert dict(a.facts) == dict(b.facts) and a.facts
 
 
+def test_the_local_pool_holds_a_few_files_in_flight_a_worker_not_every_file(tmp_path, monkeypatch):
+    """Each submitted file's future lives until it is done: a window of IN_FLIGHT a worker keeps the
+    parent's futures bounded whatever the rank count (one for every file up front held ~1 KB each)."""
+    import concurrent.futures as cf
+
+    import diagnose.ingest.assemble as run_mod
+
+    for r in range(6):
+        write(tmp_path, f"rank{r}.json", steps_trace(3, rank=r, world=6))
+    seen: list[cf.Future] = []
+    most = [0]
+
+    class Counting(cf.ProcessPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            most[0] = max(most[0], sum(not f.done() for f in seen) + 1)
+            seen.append(super().submit(fn, *args, **kwargs))
+            return seen[-1]
+
+    monkeypatch.setattr(run_mod, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(run_mod, "IN_FLIGHT", 1)
+    monkeypatch.setattr(run_mod, "ProcessPoolExecutor", Counting)
+    loaded = load_files(sorted(tmp_path.iterdir()), 1 << 30, jobs=2, reduce=reduce_rank)
+    assert len(seen) == 6 and [x.trace.rank for x in loaded] == list(range(6))
+    assert most[0] == 2
+
+
 def test_runs_that_do_not_overlap_in_time_are_refused(tmp_path):
     write(tmp_path, "rank0.json", steps_trace(rank=0, world=2))
     write(tmp_path, "rank1.json", steps_trace(rank=1, world=2, t0=1000.0 + 3600e6))
