@@ -262,12 +262,12 @@ def test_lane_time_summed_a_block_of_ranks_at_a_time_is_one_groupby_to_the_bit()
         assert np.array_equal(blocks.to_numpy(), one.to_numpy())
 
 
-def test_straggler_edit_scales_each_listed_rank_as_a_lookup_by_anchor_and_rank_would(tmp_path):
+def test_straggler_edit_scales_each_listed_rank_as_a_lookup_by_anchor_and_rank_would():
     """rank_at_median against the lookup it replaces (a pandas reindex of each node's (anchor,
     rank) factor, NaN and missing as 1): the same weights to the bit, for several rank sets."""
     import pandas as pd
 
-    g = build_context(load_run([SHARED / "param_dlrm_8rank_v100"], reduce=reduce_rank), None).model.graph
+    g = sg.build_graph(shared_run("param_dlrm_8rank_v100"))
     seg = sg._anchor_segments(g)
     has = (g.lane_prev >= 0) & (seg >= 0)
     span = int(g.rank.max()) + 1
