@@ -27,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -44,7 +44,7 @@ from diagnose.units import rank_ranges
 
 # Below this much JSON in total, worker processes cost more to start than they save.
 PARALLEL_MIN_BYTES = 32 * 1024**2
-IN_FLIGHT = 4  # files queued a local worker: enough that none waits on the parent
+IN_FLIGHT = 4  # files queued a local worker: its next file is there when it finishes one
 GZIP_RATIO = 8
 INTERNAL_ERROR = "internal error"
 # Profiles of one run overlap in time; across hosts, clocks may disagree by this much.
@@ -102,6 +102,24 @@ class Run:
         return any(t.is_gpu for t in self.timelines.values())
 
 
+class _Kept:
+    """One of a Loaded's fields: built from the rank's row at each read once kept (Loaded.hold),
+    and never written then; its own object before (the slot of the same name with a `_`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name, self._slot = name, "_" + name
+
+    def __get__(self, x: Loaded | None, owner: type | None = None) -> Any:
+        if x is None:
+            return self
+        return getattr(x._rows, self._name)(x._at) if x._rows is not None else getattr(x, self._slot)
+
+    def __set__(self, x: Loaded, v: Any) -> None:
+        if x._rows is not None:
+            raise AttributeError("a kept rank is read, never written (ingest/store.py)")
+        setattr(x, self._slot, v)
+
+
 class Loaded:
     """One file's outcome: its trace and timeline, or why it cannot be used; `facts`, each check's
     per-rank summary; `reduced`, the checks' per-rank reductions ran (the events table holds only
@@ -136,10 +154,6 @@ class Loaded:
             self._rows, self._at = rows, at
             self._path = self._trace = self._timeline = self._facts = self._idle = None
 
-    def _writable(self) -> None:
-        if self._rows is not None:
-            raise AttributeError("a kept rank is read, never written (ingest/store.py)")
-
     @property
     def row(self) -> tuple[Arrivals, int] | None:
         """Where a kept rank lies (its columns and position), or None where it keeps its objects."""
@@ -155,45 +169,11 @@ class Loaded:
     def ok(self) -> bool:
         return self._rows is not None or (self._trace is not None and self._timeline is not None)
 
-    @property
-    def path(self) -> Path:
-        return self._rows.path(self._at) if self._rows is not None else self._path
-
-    @property
-    def trace(self) -> RankTrace | None:
-        return self._rows.trace(self._at) if self._rows is not None else self._trace
-
-    @trace.setter
-    def trace(self, v: RankTrace | None) -> None:
-        self._writable()
-        self._trace = v
-
-    @property
-    def timeline(self) -> RankTimeline | None:
-        return self._rows.timeline(self._at) if self._rows is not None else self._timeline
-
-    @timeline.setter
-    def timeline(self, v: RankTimeline | None) -> None:
-        self._writable()
-        self._timeline = v
-
-    @property
-    def facts(self) -> Mapping[str, object]:
-        return self._rows.facts(self._at) if self._rows is not None else self._facts
-
-    @facts.setter
-    def facts(self, v: Mapping[str, object]) -> None:
-        self._writable()
-        self._facts = v
-
-    @property
-    def idle(self) -> IdleModel | ReduceFailed | Spilled | None:
-        return self._rows.idle(self._at) if self._rows is not None else self._idle
-
-    @idle.setter
-    def idle(self, v: IdleModel | ReduceFailed | Spilled | None) -> None:
-        self._writable()
-        self._idle = v
+    path: Path = _Kept()  # type: ignore[assignment]
+    trace: RankTrace | None = _Kept()  # type: ignore[assignment]
+    timeline: RankTimeline | None = _Kept()  # type: ignore[assignment]
+    facts: Mapping[str, object] = _Kept()  # type: ignore[assignment]
+    idle: IdleModel | ReduceFailed | Spilled | None = _Kept()  # type: ignore[assignment]
 
 
 @runtime_checkable

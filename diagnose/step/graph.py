@@ -486,14 +486,10 @@ def _lane_time(w: np.ndarray, key: np.ndarray, rank: np.ndarray, span: int) -> p
     (compensated, each group's nodes in node order) a block of ranks at a time: a key's nodes all
     lie on one rank, so the sums are those of one groupby over every node, whose tables set the
     replay's height at 1,024 ranks (#20)."""
-    if span <= RANK_BLOCK:
+    if span <= RANK_BLOCK:  # one block: no selection to copy
         return pd.Series(w).groupby(key).sum()
-    parts = []
-    for lo in range(0, span, RANK_BLOCK):
-        sel = (rank >= lo) & (rank < lo + RANK_BLOCK)
-        if sel.any():
-            parts.append(pd.Series(w[sel]).groupby(key[sel]).sum())
-    return pd.concat(parts).sort_index() if parts else pd.Series(w).groupby(key).sum()
+    blocks = ((rank >= lo) & (rank < lo + RANK_BLOCK) for lo in range(0, span, RANK_BLOCK))
+    return pd.concat([pd.Series(w[sel]).groupby(key[sel]).sum() for sel in blocks]).sort_index()
 
 
 def best_transfers(g: StepGraph) -> np.ndarray:
