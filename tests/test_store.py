@@ -94,6 +94,17 @@ def test_the_run_is_rank_keyed_views_of_the_rows_only_after_the_reductions():
         assert whole.traces[r].path == reduced.traces[r].path and reduced.traces[r].rank == r
 
 
+def test_a_ranks_path_is_the_one_it_arrived_with_at_every_lookup():
+    """Each lookup of a rank's trace gives the Path it arrived with, not one parsed again from
+    text: pathlib interns a path's parts, and a name built and dropped per rank at every check's
+    lookup grew the interpreter's table of interned strings (1.9 MB at 1,024 ranks; store.Arrivals.path)."""
+    run = load_run([FIXTURES / "cpu_straggler_2rank"], reduce=reduce_rank)
+    assert isinstance(run.traces, ByRank)
+    for r in run.ranks:
+        p = run.traces[r].path
+        assert isinstance(p, Path) and p.name.startswith("rank") and run.traces[r].path is p
+
+
 def test_an_outcome_travels_from_where_it_was_read_and_a_kept_rank_does_not(monkeypatch):
     x = Loaded(Path("rank0.json"), error="unreadable")
     assert pickle.loads(pickle.dumps(x)).error == "unreadable"
