@@ -39,7 +39,8 @@ _NUMBERS = {"rank": "q", "flows": "q", "dropped": "q", "bytes_read": "q", "span0
 _FLAGS = ("has_rank", "salvaged", "hip", "has_span", "is_gpu", "device_timed", "has_facts")
 _REFS = ("path", "rank_source", "meta", "thread_names", "trace_warnings", "file", "step_source",
          "warnings", "facts_keys")
-"""Per rank, a reference to an object most ranks share (metadata, texts) or its own short text."""
+"""Per rank, a reference to an object most ranks share (metadata, texts) or its own short text
+(its Path: `Arrivals.path`)."""
 
 
 class Arrivals:
