@@ -18,6 +18,7 @@ more workers cannot shorten).
     python benchmarks/bench_cluster.py --ranks 64        # a quick look
     python benchmarks/bench_cluster.py --per-file 256    # one file's CPU: local pool against a worker
     python benchmarks/bench_cluster.py --phases 512      # the client's Python memory by phase
+    python benchmarks/bench_cluster.py --resident 1024   # its resident memory by phase and check
     python benchmarks/bench_cluster.py --ranks 16,64 --paths local \\
         --source ../shared/traces/kineto_resnet50_dataloader_v100/nw0   # heavier ranks (26 MB each)
 
@@ -30,6 +31,13 @@ beside the read itself is Dask's own per-task work.
 client's analysis (the loaded ranks, matching, breakdown, step graph, checklist, replay), the
 Python memory held and the highest point since the previous mark: where the peak is, and what
 each rank costs there (numpy's and pandas' buffers included; the interpreter's own pages not).
+
+`--resident N` runs it once more without tracemalloc and prints, at each phase and around each
+check of the checklist and each extra, the resident size (VmRSS) and its highest point since the
+previous mark (VmHWM, reset between marks through /proc/self/clear_refs): what the bench's peak is
+made of, the interpreter's and the allocator's memory included, which tracemalloc does not see or
+does not place. Run it at two rank counts and compare: a check whose rise grows with the ranks is
+where the peak grows (a table of interned strings rebuilt at twice its size was found so; #20).
 """
 from __future__ import annotations
 
@@ -62,10 +70,7 @@ def build(out: Path, n: int, source: Path = SOURCE) -> Path:
 
 
 def _peak_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return _status_mb()[1]
 
 
 def measure(kind: str, target: str) -> dict:
@@ -174,6 +179,74 @@ def phases(n: int, source: Path = SOURCE) -> None:
         print(f"  {label:28s} {cur:7.1f} {peak:7.1f}")
 
 
+def _status_mb() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process, MB."""
+    got = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            got[line[:5]] = int(line.split()[1]) / 1024
+    return got.get("VmRSS", float("nan")), got.get("VmHWM", float("nan"))
+
+
+def resident(n: int, source: Path = SOURCE) -> None:
+    """Builds the ranks here, measures in a child process: what building them left in this one
+    (the decoded source traces) would hide the analysis's rises."""
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        target = build(Path(tmp), n, source)
+        res = subprocess.run([sys.executable, __file__, "--resident-of", str(target)], cwd=ROOT, text=True,
+                             capture_output=True)
+    print(res.stdout, end="")
+    if res.returncode != 0:
+        print((res.stderr.strip().splitlines() or ["failed"])[-1][:300])
+
+
+def resident_of(target: str) -> None:
+    from dataclasses import replace
+
+    import diagnose.context as context
+    import diagnose.extras as extras
+    import diagnose.pipeline as pipeline
+
+    marks: list[tuple[str, float, float]] = []
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        print("(no /proc/self/clear_refs here: each highest point is the process's so far)")
+
+    def mark(label: str) -> None:
+        rss, hwm = _status_mb()
+        marks.append((label, rss, hwm))
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # the high-water mark from here on
+        except OSError:
+            pass
+
+    def wrapped(inner, label: str):
+        def timed(*a, **k):
+            mark(f"before {label}")
+            out = inner(*a, **k)
+            mark(label)
+            return out
+        return timed
+
+    for module, names in ((context, ("match_collectives", "build_graph", "step_model")),
+                          (pipeline, ("build_context", "run_checklist", "report_extras", "annotate")),
+                          (extras, ("_lateness_extra", "_timeline_extra", "_top_ops_extra", "_comm_groups_extra",
+                                    "_compiled_extra", "_over_time_extra"))):
+        for name in names:
+            setattr(module, name, wrapped(getattr(module, name), name))
+    pipeline.CHECKLIST = tuple(replace(e, analyze=wrapped(e.analyze, f"check {e.name}")) for e in pipeline.CHECKLIST)
+    mark("start")
+    d = pipeline.diagnose_paths([target], jobs=2)
+    mark("end")
+    print(f"{len(d.run.ranks_found)} ranks, the client's resident memory (MB): at the mark, highest since the "
+          "previous mark, and the rise over the previous mark")
+    prev = marks[0][1]
+    for label, rss, hwm in marks:
+        print(f"  {label:34s} {rss:7.1f} {hwm:7.1f} {hwm - prev:+6.1f}")
+        prev = rss
+
+
 def run_child(kind: str, target: str, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--measure", kind, "--target", target]
     try:
@@ -209,12 +282,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target")
     ap.add_argument("--per-file", type=int, metavar="N")
     ap.add_argument("--phases", type=int, metavar="N")
+    ap.add_argument("--resident", type=int, metavar="N")
+    ap.add_argument("--resident-of", help=argparse.SUPPRESS)
     ap.add_argument("--source", type=Path, default=SOURCE,
                     help="the real ranks to replicate (a directory of *.json.gz; default param_dlrm_8rank_v100)")
     ap.add_argument("--paths", default="local,cluster", help="which of the two to run")
     a = ap.parse_args(argv)
     if a.phases:
         phases(a.phases, a.source)
+        return 0
+    if a.resident:
+        resident(a.resident, a.source)
+        return 0
+    if a.resident_of:
+        resident_of(a.resident_of)
         return 0
     if a.per_file:
         per_file(a.per_file)
