@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -141,6 +142,16 @@ def per_file(n: int) -> None:
               f"the reading thread's CPU, {1e3 * sum(r[1] for r in res) / n:.1f} ms of its process's")
 
 
+def _between_marks(inner, label: str, mark: Callable[[str], None]):
+    """`inner` with a mark before ("before <label>") and after (label) each call."""
+    def marked(*a, **k):
+        mark(f"before {label}")
+        out = inner(*a, **k)
+        mark(label)
+        return out
+    return marked
+
+
 def phases(n: int, source: Path = SOURCE) -> None:
     import tracemalloc
 
@@ -154,20 +165,10 @@ def phases(n: int, source: Path = SOURCE) -> None:
         marks.append((label, cur / 1e6, peak / 1e6))
         tracemalloc.reset_peak()
 
-    def wrap(module, name: str) -> None:
-        inner = getattr(module, name)
-
-        def timed(*a, **k):
-            mark(f"before {name}")
-            out = inner(*a, **k)
-            mark(name)
-            return out
-        setattr(module, name, timed)
-
-    for name in ("match_collectives", "build_graph", "step_model"):
-        wrap(context, name)
-    for name in ("build_context", "run_checklist", "annotate"):
-        wrap(pipeline, name)
+    for module, names in ((context, ("match_collectives", "build_graph", "step_model")),
+                          (pipeline, ("build_context", "run_checklist", "annotate"))):
+        for name in names:
+            setattr(module, name, _between_marks(getattr(module, name), name, mark))
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         target = build(Path(tmp), n, source)
         tracemalloc.start()
@@ -221,21 +222,14 @@ def resident_of(target: str) -> None:
         except OSError:
             pass
 
-    def wrapped(inner, label: str):
-        def timed(*a, **k):
-            mark(f"before {label}")
-            out = inner(*a, **k)
-            mark(label)
-            return out
-        return timed
-
     for module, names in ((context, ("match_collectives", "build_graph", "step_model")),
                           (pipeline, ("build_context", "run_checklist", "report_extras", "annotate")),
                           (extras, ("_lateness_extra", "_timeline_extra", "_top_ops_extra", "_comm_groups_extra",
                                     "_compiled_extra", "_over_time_extra"))):
         for name in names:
-            setattr(module, name, wrapped(getattr(module, name), name))
-    pipeline.CHECKLIST = tuple(replace(e, analyze=wrapped(e.analyze, f"check {e.name}")) for e in pipeline.CHECKLIST)
+            setattr(module, name, _between_marks(getattr(module, name), name, mark))
+    pipeline.CHECKLIST = tuple(replace(e, analyze=_between_marks(e.analyze, f"check {e.name}", mark))
+                               for e in pipeline.CHECKLIST)
     mark("start")
     d = pipeline.diagnose_paths([target], jobs=2)
     mark("end")

@@ -72,7 +72,7 @@ def test_equally_slow_loader_is_baseline_not_lost_speedup(tmp_path):
     once in CI without a broken tool; a loader counted as lost speedup would be a bar of its share
     of the step (it waits 407 of a 474 ms step: 85%). The bound is under a third of that: a CI run
     (2026-12-05, evening) measured the DataLoader's bar at -0.104 beside compute inflation at -0.088
-    (the one-rank run slower throughout; two reruns passed), past the 0.05 this bound was, with the
+    (both bars negative: the one-rank run was the slower; two reruns passed), past the 0.05 this bound was, with the
     tool reading the cause right."""
     s, res = scale(tmp_path, "--pathology", "dataloader")
     assert [f["id"] for f in s["baseline"]][:1] == ["dataloader_starvation"], res.stdout
