@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -12,9 +12,9 @@ from diagnose.errors import one_line
 from diagnose.ingest.assemble import ReduceFailed, Run, SharesText
 from diagnose.ingest.spill import unspilled
 from diagnose.ingest.store import give_back_freed
-from diagnose.model import EventRef, StepBreakdown
+from diagnose.model import EventRef
 from diagnose.probedata import ProbeData
-from diagnose.step.breakdown import compute_breakdown
+from diagnose.step.breakdown import breakdown_table
 from diagnose.step.collectives import Matched, group_wait_ms, late_group, match_collectives, wait_for_group
 from diagnose.step.graph import build_graph
 from diagnose.step.cover import column
@@ -26,9 +26,11 @@ from diagnose.whatif import StepModel, step_model
 class Context:
     run: Run
     matched: Matched
-    steps: tuple[StepBreakdown, ...]
     table: pd.DataFrame
-    """The breakdown as a frame, one row per (rank, step)."""
+    """The step breakdown (step/breakdown.py), one row per (rank, step) and a column per
+    StepBreakdown field. The rows as StepBreakdowns (breakdown.breakdown_rows) are made only for
+    the Diagnosis, once the analysis is done: held beside the table through every check, they
+    were 0.8 MB at 1,024 replicated DLRM ranks (#20)."""
     probes: dict[int, ProbeData]
     """Every-step timings and metadata from the probes' sidecars, when the run had them."""
     model: StepModel | None = None
@@ -124,7 +126,6 @@ def prune_dead_views(run: Run) -> None:
                 refs.has_reference()
 
 
-BREAKDOWN_FIELDS = tuple(f.name for f in fields(StepBreakdown))
 MAX_GROUPS = 4
 """Late groups peeled one after another at most (two slow hosts, each late by its own amount)."""
 
@@ -175,8 +176,6 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
         error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]
     groups = late_peers(run, matched, model, th)
     matched = wait_for_group(matched, tuple(r for g in groups for r in g))
-    steps = tuple(compute_breakdown(run, matched))
-    # the rows' own values, not asdict's copies: each GPU row's split by cause was a dict twice (#20)
-    table = pd.DataFrame({f: [getattr(s, f) for s in steps] for f in BREAKDOWN_FIELDS}) if steps else pd.DataFrame()
-    return Context(run=run, matched=matched, steps=steps, table=table, probes=probes or {}, model=model,
+    table = breakdown_table(run, matched)
+    return Context(run=run, matched=matched, table=table, probes=probes or {}, model=model,
                    model_error=error, late_groups=groups)

@@ -13,6 +13,7 @@ from diagnose.ingest.store import give_back_freed
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
+from diagnose.step.breakdown import breakdown_rows
 from diagnose.step.link import LinkSpec
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.whatif import annotate
@@ -90,28 +91,33 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
     extras = report_extras(ctx, checks, findings, th, link)
+    facts, table, model, model_error = run_facts(run, ctx), ctx.table, ctx.model, ctx.model_error
+    # what the replays and the report need is out of the context: the matched collectives go
+    # before the replays, the step model before the breakdown's rows are made (#20)
+    del ctx
     give_back_freed()
-    if ctx.model is not None:
+    if model is not None:
         try:  # each cause's ms from the one model of the step: the replay with it removed
             named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
-            wi = annotate(tuple(findings), ctx.model, th, tuple(named))
+            wi = annotate(tuple(findings), model, th, tuple(named))
             extras["replay"] = wi.summary
             findings = sorted(wi.findings, key=lambda f: (f.kind == "capacity", -f.recoverable_ms,
                                                           order.get(f.id, 99)))
             by_id = {f.id: f for f in findings}
             checks = [replace(c, finding=by_id[c.id]) if c.finding is not None and c.id in by_id else c
                       for c in checks]
-            if not ctx.model.trusted:
+            if not model.trusted:
                 warnings.append(f"the step graph's replay reproduces the measured steps only within "
-                                f"{ctx.model.fidelity:.0%} (missing or sampled events): findings keep their own "
+                                f"{model.fidelity:.0%} (missing or sampled events): findings keep their own "
                                 "estimates, the replayed figures are metrics beside them")
         except Exception as exc:  # noqa: BLE001 - the replay is extra evidence; the verdict stands without it
             warnings.append(one_line(f"replay of the step graph failed ({type(exc).__name__}: {exc}); findings "
                                      "keep their own estimates")[:300])
-    elif ctx.model_error:
-        warnings.append(ctx.model_error + "; findings keep their own estimates")
-    return Diagnosis(run=run_facts(run, ctx), checks=tuple(checks), findings=tuple(findings),
-                     breakdown=ctx.steps, warnings=tuple(run.warnings + warnings),
+    elif model_error:
+        warnings.append(model_error + "; findings keep their own estimates")
+    del model
+    return Diagnosis(run=facts, checks=tuple(checks), findings=tuple(findings),
+                     breakdown=tuple(breakdown_rows(table)), warnings=tuple(run.warnings + warnings),
                      skipped=tuple(run.skipped), extras=extras)
 
 

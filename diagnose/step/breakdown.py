@@ -12,10 +12,15 @@ and the rest (`exposed_comm`: transfers and general arrival skew).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import fields
+
 import numpy as np
+import pandas as pd
 
 from diagnose.ingest.assemble import ReduceFailed, Run
 from diagnose.model import StepBreakdown
+from diagnose.step.appended import Appended
 from diagnose.step.collectives import Matched, rows_by_value
 from diagnose.step.cover import column
 from diagnose.step.idle import CLASSES
@@ -49,7 +54,22 @@ def exposed_comm(run: Run, rank: int, waits: dict[int, Intervals]) -> Intervals:
 
 
 def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
-    rows: list[StepBreakdown] = []
+    """One StepBreakdown per (rank, step), rank after rank."""
+    return list(breakdown_rows(breakdown_table(run, matched)))
+
+
+FIELDS = tuple(f.name for f in fields(StepBreakdown))
+MS_FIELDS = tuple(f for f in FIELDS if f.endswith("_ms") and f != "other_by_cause_ms")
+"""The components in ms (step_ms ... other_ms): numpy floats, as the ranks' arrays give them."""
+
+
+def breakdown_table(run: Run, matched: Matched) -> pd.DataFrame:
+    """The breakdown as one frame, a row per (rank, step) and a column per StepBreakdown field
+    (empty, no columns, when no rank has a step): what the checks read (Context.table). Built a
+    column at a time from each rank's arrays, not from a StepBreakdown per row: those were held
+    beside the frame through every check for the report alone (0.8 MB at 1,024 replicated DLRM
+    ranks; #20), and are made from it only at the end (breakdown_rows)."""
+    out = {f: Appended() for f in FIELDS}
     all_waits = waits_by_rank(run, matched)
     for r in run.ranks:
         tl = run.timelines[r]
@@ -67,11 +87,27 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
         other = np.maximum(step_us - compute - exposed - wait - dl, 0.0)
         gaps = run.idle.get(r)
         split = gaps.outside_dataloader_us if gaps is not None and not isinstance(gaps, ReduceFailed) else None
-        for i, step in enumerate(tl.steps.step):
-            causes = {c: round(float(split[i, k]) / 1000, 6) for k, c in enumerate(CLASSES)} if split is not None else {}
-            rows.append(StepBreakdown(
-                rank=r, step=int(step), start_us=float(lo[i]), step_ms=step_us[i] / 1000,
-                compute_ms=compute[i] / 1000, exposed_comm_ms=exposed[i] / 1000,
-                straggler_wait_ms=wait[i] / 1000, dataloader_ms=dl[i] / 1000, other_ms=other[i] / 1000,
-                other_by_cause_ms=causes))
-    return rows
+        n = len(tl.steps.step)
+        causes = [{c: round(float(split[i, k]) / 1000, 6) for k, c in enumerate(CLASSES)} if split is not None
+                  else {} for i in range(n)]
+        for f, v in (("rank", np.full(n, r, dtype=np.int64)), ("step", np.asarray(tl.steps.step).astype(np.int64)),
+                     ("start_us", np.asarray(lo, dtype=np.float64)), ("step_ms", step_us / 1000),
+                     ("compute_ms", compute / 1000), ("exposed_comm_ms", exposed / 1000),
+                     ("straggler_wait_ms", wait / 1000), ("dataloader_ms", dl / 1000), ("other_ms", other / 1000),
+                     ("other_by_cause_ms", np.fromiter(causes, dtype=object, count=n))):
+            out[f].add(v)
+    if not out["rank"].n:
+        return pd.DataFrame()
+    return pd.DataFrame({f: out.pop(f).array() for f in FIELDS})
+
+
+def breakdown_rows(table: pd.DataFrame) -> Iterator[StepBreakdown]:
+    """breakdown_table's rows as StepBreakdowns, each value of the type it had when it was
+    computed (a rank and step as int, start_us as float, the ms as numpy floats)."""
+    if table.empty:
+        return
+    cols = {f: table[f].to_numpy() for f in FIELDS}
+    for i in range(len(table)):
+        yield StepBreakdown(rank=int(cols["rank"][i]), step=int(cols["step"][i]),
+                            start_us=float(cols["start_us"][i]),
+                            **{f: cols[f][i] for f in MS_FIELDS}, other_by_cause_ms=cols["other_by_cause_ms"][i])

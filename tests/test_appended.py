@@ -1,0 +1,63 @@
+"""step/appended.py: a run-wide column grown rank after rank gives what joining the ranks' arrays
+would; the step breakdown held as one frame gives back the rows it was computed as."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diagnose.step.appended import Appended
+
+
+def _appended(parts):
+    col = Appended()
+    for p in parts:
+        col.add(p)
+    return col
+
+
+@pytest.mark.parametrize("parts", [
+    [np.array([1, 2], dtype=np.int64), np.array([], dtype=np.int64), np.array([3], dtype=np.int64)],
+    [np.array([0.5, np.nan]), np.array([-1e300])],
+    [np.array(["a", None], dtype=object), np.array([(1, 2), "b"], dtype=object)],
+    [np.array([1, 2], dtype=np.int64), np.array([0.5])],  # ranks that disagree: numpy promotes
+    [np.array([1.5]), np.array(["x"], dtype=object)],
+    [np.array([1, 2], dtype=np.int32), np.array([3], dtype=np.int32)],  # no typed buffer here
+    [np.array([True, False])],
+], ids=["int64", "float64", "objects", "int-then-float", "float-then-object", "int32", "bool"])
+def test_a_grown_column_is_the_ranks_arrays_joined(parts):
+    got, want = _appended(parts).array(), np.concatenate(parts)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert [type(x) for x in got.tolist()] == [type(x) for x in want.tolist()]
+    np.testing.assert_array_equal(got, want)
+    if all(p.dtype == object for p in parts):  # the ranks' own objects, not copies
+        assert all(a is b for a, b in zip(got, want))
+    assert _appended(parts).n == want.size
+
+
+def test_nothing_appended_is_an_empty_column():
+    assert Appended().array().size == 0 and Appended().n == 0
+
+
+@pytest.mark.parametrize("where", ["hta_nccl_data_rank0of2_a100", "param_dlrm_8rank_v100", "cpu_straggler_2rank"])
+def test_the_breakdown_frame_gives_back_its_rows_as_computed(where):
+    """The checks read the breakdown as a frame; the report's rows are made from it at the end.
+    Each value keeps the type it was computed with (the ms as numpy floats, as each rank's arrays
+    gave them), every row once, in rank order, and the frame is those rows' fields."""
+    import pandas as pd
+
+    from diagnose.context import build_context
+    from diagnose.step.breakdown import FIELDS, MS_FIELDS, breakdown_rows
+    from tests.conftest import fixture_run, shared_run
+
+    run = fixture_run(Path(__file__).resolve().parent / "fixtures" / where) if where.startswith("cpu_") else shared_run(where)
+    table = build_context(run).table
+    rows = list(breakdown_rows(table))
+    assert len(rows) == len(table) > 0
+    assert [(b.rank, b.step) for b in rows] == sorted((b.rank, b.step) for b in rows)
+    for b in rows:
+        assert type(b.rank) is int and type(b.step) is int and type(b.start_us) is float
+        assert all(type(getattr(b, f)) is np.float64 for f in MS_FIELDS)
+        assert type(b.other_by_cause_ms) is dict
+    again = pd.DataFrame({f: [getattr(b, f) for b in rows] for f in FIELDS})
+    pd.testing.assert_frame_equal(again, table)
+    assert all(bool(b.other_by_cause_ms) == run.timelines[b.rank].is_gpu for b in rows)  # GPU: idle split
