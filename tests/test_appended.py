@@ -49,7 +49,8 @@ def test_the_breakdown_frame_gives_back_its_rows_as_computed(where):
     from diagnose.step.breakdown import FIELDS, MS_FIELDS, breakdown_rows
     from tests.conftest import fixture_run, shared_run
 
-    run = fixture_run(Path(__file__).resolve().parent / "fixtures" / where) if where.startswith("cpu_") else shared_run(where)
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    run = fixture_run(fixtures / where) if where.startswith("cpu_") else shared_run(where)
     table = build_context(run).table
     rows = list(breakdown_rows(table))
     assert len(rows) == len(table) > 0

@@ -11,6 +11,8 @@
   from (`diagnose/whatif.py` edits it); `parts`, its lane edges' composition, held by column.
 - `bandwidth`: communication by process group and collective kind: exposed time, size, bus bandwidth.
 - `link`: each group's bus bandwidth judged against the link the user names (`--link-gbps`).
+- `appended`: a run-wide column grown rank after rank in one buffer (the run's collectives, the
+  breakdown), not every rank's arrays held until joined.
 - `changes`: the run over time: change points in every rank's step components, from the probes'
   every-step record (no trace needed), read together as events (when, where, what moved).
 
