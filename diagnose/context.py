@@ -35,8 +35,9 @@ class Context:
     """Every-step timings and metadata from the probes' sidecars, when the run had them."""
     model: StepModel | None = None
     """The dependency graph of every rank's steps (diagnose/step/graph.py) and its unedited replay
-    (diagnose/whatif.py): each finding's recoverable ms comes from editing it. None when it could
-    not be built (model_error says why)."""
+    (diagnose/whatif.py): each finding's recoverable ms comes from editing it; the graph lies on
+    disk, read back by each replay (GraphOnDisk). None when it could not be built (model_error
+    says why)."""
     model_error: str | None = None
     late_groups: tuple[tuple[int, ...], ...] = ()
     """Ranks late at the collectives by a wide gap over the rest (fewer than half of them), whose

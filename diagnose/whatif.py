@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from diagnose.ingest.spill import Spill
 from diagnose.model import Finding
 from diagnose.step import graph as sg
 from diagnose.thresholds import Thresholds
@@ -112,7 +113,7 @@ CRITICAL_PARTS: dict[str, tuple[str, ...]] = {
 class StepModel:
     """The step graph with its unedited replay: the one model every what-if edits."""
 
-    graph: sg.StepGraph
+    graph: sg.StepGraph | sg.GraphOnDisk
     base: sg.Replay
     fidelity: float
     """Largest relative error of the unedited replay against the measured steps."""
@@ -157,8 +158,10 @@ class StepModel:
 
 
 def step_model(g: sg.StepGraph) -> StepModel:
+    """The model of `g`, its graph held on disk from here (step/graph.GraphOnDisk: why; in memory
+    where no temporary file can be made)."""
     base = sg.replay(g)
-    return StepModel(graph=g, base=base, fidelity=sg.fidelity(g, base),
+    return StepModel(graph=sg.GraphOnDisk(g, Spill()), base=base, fidelity=sg.fidelity(g, base),
                      steps=len(set(g.step[g.kind == sg.STEP_END].tolist())))
 
 

@@ -287,3 +287,34 @@ def test_straggler_edit_scales_each_listed_rank_as_a_lookup_by_anchor_and_rank_w
         want[sel] *= f.reindex(key[sel]).fillna(1.0).to_numpy()
         got = sg.rank_at_median(g, ranks, w0)
         assert np.array_equal(got, want) and not np.array_equal(got, w0)
+
+
+@pytest.mark.parametrize("name", ["param_dlrm_8rank_v100", "hta_nccl_data_rank0of2_a100"])
+def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
+    """The step model holds its graph on disk (GraphOnDisk, #20): every column it reads back is the
+    built graph's (values and dtype), read-only as the graph's own; the unedited replay, each edit's
+    replay and the critical path are the same to the bit."""
+    from diagnose.ingest.spill import Spill
+    from diagnose.whatif import EDITS, StepModel, step_model
+
+    g = sg.build_graph(shared_run(name))
+    disk = sg.GraphOnDisk(g, Spill())
+    for k in sg.NODE_COLUMNS:
+        a, b = getattr(g, k), getattr(disk, k)
+        assert a.dtype == b.dtype and np.array_equal(a, b), k
+        assert not b.flags.writeable, k
+        assert getattr(disk, k) is not b  # read back at each ask: nothing of it held
+    assert np.array_equal(disk.lane_parts.total, g.lane_parts.total)
+    for k in range(len(sg.PARTS)):
+        assert np.array_equal(disk.lane_parts.column(k), g.lane_parts.column(k))
+    assert disk.ranks == g.ranks
+    model = step_model(g)
+    assert isinstance(model.graph, sg.GraphOnDisk)
+    mem = StepModel(graph=g, base=sg.replay(g), fidelity=model.fidelity, steps=model.steps)  # in memory
+    for a, b in ((sg.replay(g), sg.replay(disk)), (mem.base, model.base)):
+        assert np.array_equal(a.time, b.time) and np.array_equal(a.via, b.via)
+    for cause in list(EDITS) + ["best_transfer"]:
+        assert mem.saving(cause) == model.saving(cause), cause
+    assert sg.critical_path(g, mem.base) == sg.critical_path(disk, model.base)
+    s = int(g.step[g.kind == sg.STEP_END][0])
+    assert sg.critical_segments(g, mem.base, s) == sg.critical_segments(disk, model.base, s)

@@ -8,7 +8,8 @@
 - `breakdown`: each rank's step split into disjoint components that sum to the step.
 - `idle`: why a GPU idles: every idle gap attributed to one cause from its launch link.
 - `graph`: every rank's steps as one dependency graph; its replay is where each finding's ms come
-  from (`diagnose/whatif.py` edits it); `parts`, its lane edges' composition, held by column.
+  from (`diagnose/whatif.py` edits it), held on disk between replays (`GraphOnDisk`);
+  `parts`, its lane edges' composition, held by column.
 - `bandwidth`: communication by process group and collective kind: exposed time, size, bus bandwidth.
 - `link`: each group's bus bandwidth judged against the link the user names (`--link-gbps`).
 - `appended`: a run-wide column grown rank after rank in one buffer (the run's collectives, the

@@ -48,11 +48,12 @@ import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import Run
+from diagnose.ingest.spill import Spill, unspilled
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.collectives import collectives_table, rows_by_value
 from diagnose.step.cover import LANE_SETS
 from diagnose.step.intervals import Intervals, covered, intersect, union
-from diagnose.step.parts import LaneParts, LanePartsBuilder
+from diagnose.step.parts import LaneParts, LanePartsBuilder, PartsOnDisk
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
 
 # node kinds, in the order they are processed at equal times
@@ -109,6 +110,43 @@ class StepGraph:
     @property
     def ranks(self) -> list[int]:
         return np.unique(self.rank).tolist()
+
+
+NODE_COLUMNS = ("rank", "kind", "time", "step", "seg", "lane_prev", "group", "transfer", "order_prev",
+                "resume_of", "lag", "after_arrival")
+"""StepGraph's per-node arrays (lane_parts apart)."""
+
+
+class GraphOnDisk:
+    """A StepGraph whose node columns and lane composition lie in a spill (ingest/spill.py), each
+    read back when a reader asks for it: a fresh, read-only copy the reader drops when done. It
+    reads as a StepGraph (the same attributes); the functions here take each column once a call,
+    never once a node.
+
+    Why (#20, the client's memory per rank): the step model's graph was held from its build to the
+    last replay, through every check and extra, most of them never reading it: 2.0 MB at 1,024
+    replicated DLRM ranks (25,728 nodes), the largest piece of the client's model of the run. The
+    unedited replay stays in memory (StepModel.base: each what-if is measured against it)."""
+
+    __slots__ = ("_cols", "lane_parts", "n_groups", "group_key", "step_nodes")
+
+    def __init__(self, g: StepGraph, spill: Spill) -> None:
+        self._cols = {k: spill.put(getattr(g, k)) for k in NODE_COLUMNS}
+        self.lane_parts = PartsOnDisk(g.lane_parts, spill)
+        self.n_groups, self.group_key, self.step_nodes = g.n_groups, g.group_key, g.step_nodes
+
+    def column(self, name: str) -> np.ndarray:
+        a = unspilled(self._cols[name])
+        a.setflags(write=False)  # as the graph's own: edits copy, the graph is never changed
+        return a
+
+    @property
+    def ranks(self) -> list[int]:
+        return np.unique(self.rank).tolist()
+
+
+for _name in NODE_COLUMNS:  # each node column a property reading it back (GraphOnDisk.column)
+    setattr(GraphOnDisk, _name, property(lambda self, _name=_name: self.column(_name)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +360,8 @@ def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray 
     """Longest-path schedule of the graph with these lane weights and transfers (default: measured)."""
     w = g.lane_parts.total if lane_w is None else lane_w
     tr = g.transfer if transfer is None else transfer
-    n = g.time.size
+    time, after_arrival, lag = g.time, g.after_arrival, g.lag  # each once (GraphOnDisk reads them back)
+    n = time.size
     t = np.empty(n)
     via = np.full(n, -1, dtype=np.int32)
     via_cat = np.full(n, -1, dtype=np.int8)
@@ -338,7 +377,7 @@ def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray 
             continue
         p = lane_prev[v]
         if p < 0:
-            t[v] = g.time[v]  # the rank's first point is anchored where it was measured
+            t[v] = time[v]  # the rank's first point is anchored where it was measured
         else:
             t[v] = t[p] + w[v]
             via[v], via_cat[v] = p, LANE
@@ -350,15 +389,15 @@ def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray 
             if t[v] > group_start[gi]:
                 group_start[gi], group_last[gi] = t[v], v
         elif k == RESUME:
-            if g.after_arrival[v]:  # the last arrival is processed by now (measured before this point)
+            if after_arrival[v]:  # the last arrival is processed by now (measured before this point)
                 gi = group[v]
-                at = group_start[gi] + max(tr[resume_of[v]] + g.lag[v], 0.0)
+                at = group_start[gi] + max(tr[resume_of[v]] + lag[v], 0.0)
                 if at > t[v]:
                     t[v], via[v], via_cat[v] = at, group_last[gi], ORDER
                 continue
             e = resume_of[v]
-            if t[e] + g.lag[v] > t[v]:
-                t[v], via[v], via_cat[v] = t[e] + g.lag[v], e, ORDER
+            if t[e] + lag[v] > t[v]:
+                t[v], via[v], via_cat[v] = t[e] + lag[v], e, ORDER
     return Replay(time=t, via=via, via_cat=via_cat, step_ms=_durations_ms(g, t))
 
 
@@ -422,19 +461,21 @@ def without_parts(g: StepGraph, parts: dict[str, float], ranks: set[int] | None 
 def _anchor_segments(g: StepGraph) -> np.ndarray:
     """For each lane node, the anchor it leads to: the next step bound or collective arrival on its
     rank (every rank has those; resume points do not always exist), as that anchor's seg id."""
-    out = np.full(g.time.size, -1, dtype=np.int32)
+    kind, rank = g.kind, g.rank
+    out = np.full(kind.size, -1, dtype=np.int32)
     # every rank's lane nodes, rank after rank, each in node (time) order: one pass for all ranks
     # (a pass per rank over every node was O(ranks x nodes): 0.3 s a call at 1,024 ranks); node
     # positions in 32 bits, as the graph's (#20: this sets the replay's height at 1,024 ranks)
-    lane = np.flatnonzero(g.kind != COLL_END).astype(np.int32)
-    lane = lane[np.argsort(g.rank[lane], kind="stable")]
-    anchor = g.kind[lane] != RESUME
+    lane = np.flatnonzero(kind != COLL_END).astype(np.int32)
+    lane = lane[np.argsort(rank[lane], kind="stable")]
+    anchor = kind[lane] != RESUME
+    del kind
     # next anchor at or after each position: reverse running minimum of anchor positions; one found
     # past the end of a rank's lane belongs to the next rank: none
     pos = np.where(anchor, np.arange(lane.size, dtype=np.int32), np.int32(lane.size))
     nxt = np.minimum.accumulate(pos[::-1])[::-1] if lane.size else pos
     ok = nxt < lane.size
-    ok[ok] = g.rank[lane[nxt[ok]]] == g.rank[lane[ok]]
+    ok[ok] = rank[lane[nxt[ok]]] == rank[lane[ok]]
     out[lane[ok]] = g.seg[lane[nxt[ok]]]
     return out
 
@@ -448,8 +489,9 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     # graph's (arrays the graph's length set the replay's height at 1,024 ranks, #20)
     seg = _anchor_segments(g)
     at_h = np.flatnonzero((g.lane_prev >= 0) & (seg >= 0)).astype(np.int32)
-    span = int(g.rank.max()) + 1 if g.rank.size else 1
-    rank = g.rank[at_h]
+    rank = g.rank
+    span = int(rank.max()) + 1 if rank.size else 1
+    rank = rank[at_h]
     key = seg[at_h].astype(np.int64) * span + rank  # one integer per (anchor, rank)
     del seg
     per = _lane_time(w[at_h], key, rank, span)
@@ -537,8 +579,10 @@ class CriticalPath:
 
 def _chain(g: StepGraph, rep: Replay, s: int):
     """The critical path of step s, from its end back to its start: (node, predecessor, category)."""
-    ends = np.flatnonzero((g.kind == STEP_END) & (g.step == s))
-    starts = np.flatnonzero((g.kind == STEP_START) & (g.step == s))
+    kind, step = g.kind, g.step
+    ends = np.flatnonzero((kind == STEP_END) & (step == s))
+    starts = np.flatnonzero((kind == STEP_START) & (step == s))
+    del kind, step
     if not ends.size or not starts.size:
         return None, []
     floor = rep.time[starts].min()
@@ -557,15 +601,18 @@ def critical_segments(g: StepGraph, rep: Replay, s: int) -> list[tuple[float, fl
     """Step s's critical path as drawn over the timeline: (start us, end us, rank, what) per edge,
     in time order; `what` is a lane's largest part or "communication"."""
     floor, chain = _chain(g, rep, s)
+    if not chain:
+        return []
+    lane_parts, rank = g.lane_parts.loaded(), g.rank  # once, not once a node (GraphOnDisk)
     out = []
     for v, p, cat in chain:
         a, b = max(rep.time[p], floor), rep.time[v]
         if b <= a:
             continue
-        parts = g.lane_parts.row(v) if cat == LANE else None
+        parts = lane_parts.row(v) if cat == LANE else None
         what = PARTS[int(np.argmax(parts))] if parts is not None and parts.sum() > 0 else \
             "communication" if cat != LANE else "compute"
-        out.append((float(a), float(b), int(g.rank[v]), what))
+        out.append((float(a), float(b), int(rank[v]), what))
     return out[::-1]
 
 
@@ -573,6 +620,7 @@ def critical_path(g: StepGraph, rep: Replay) -> CriticalPath:
     by_part = np.zeros(len(PARTS) + 1)
     by_rank: dict[int, float] = {}
     steps = sorted(set(g.step[g.kind == STEP_END].tolist()))
+    lane_parts, rank = g.lane_parts.loaded(), g.rank  # once, not once a node (GraphOnDisk)
     done = 0
     for s in steps:
         floor, chain = _chain(g, rep, s)
@@ -581,11 +629,11 @@ def critical_path(g: StepGraph, rep: Replay) -> CriticalPath:
         for v, p, cat in chain:
             dt = rep.time[v] - max(rep.time[p], floor)
             if cat == LANE:
-                parts = g.lane_parts.row(v)
+                parts = lane_parts.row(v)
                 tot = parts.sum()
                 if tot > 0:
                     by_part[:len(PARTS)] += parts / tot * dt
-                by_rank[int(g.rank[v])] = by_rank.get(int(g.rank[v]), 0.0) + dt
+                by_rank[int(rank[v])] = by_rank.get(int(rank[v]), 0.0) + dt
             else:
                 by_part[len(PARTS)] += dt
         done += 1

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from diagnose.ingest.spill import Spill, unspilled
+
 
 @dataclass(frozen=True, slots=True)
 class LaneParts:
@@ -35,6 +37,10 @@ class LaneParts:
         out = np.zeros(self.total.size)
         out[self.rows[k]] = self.values[k]
         return out
+
+    def loaded(self) -> LaneParts:
+        """Itself (PartsOnDisk reads its parts back)."""
+        return self
 
     def row(self, v: int) -> np.ndarray:
         out = np.zeros(self.n_parts)
@@ -73,3 +79,40 @@ class LanePartsBuilder:
             del r, v, order
         self._total.setflags(write=False)  # edits copy it; the graph is never changed
         return LaneParts(total=self._total, rows=tuple(rows), values=tuple(values))
+
+
+class PartsOnDisk:
+    """A LaneParts in a spill (ingest/spill.py): the row sums and each part's cells read back when
+    asked for, fresh copies the reader drops when done (step/graph.GraphOnDisk: why)."""
+
+    __slots__ = ("_total", "_rows", "_values", "n_parts", "_n")
+
+    def __init__(self, p: LaneParts, spill: Spill) -> None:
+        self._n = p.total.size
+        self._total = spill.put(p.total)
+        self._rows = tuple(spill.put(r) for r in p.rows)
+        self._values = tuple(spill.put(v) for v in p.values)
+        self.n_parts = p.n_parts
+
+    @property
+    def total(self) -> np.ndarray:
+        return _read_only(unspilled(self._total))
+
+    def column(self, k: int) -> np.ndarray:
+        out = np.zeros(self._n)
+        out[unspilled(self._rows[k])] = unspilled(self._values[k])
+        return out
+
+    def loaded(self) -> LaneParts:
+        """Every part read back at once: for a reader of many rows (the critical path)."""
+        return LaneParts(self.total, tuple(_read_only(unspilled(r)) for r in self._rows),
+                         tuple(_read_only(unspilled(v)) for v in self._values))
+
+    def row(self, v: int) -> np.ndarray:
+        return self.loaded().row(v)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """What is read back as the graph's is never written, as the graph's own arrays are not."""
+    a.setflags(write=False)
+    return a
