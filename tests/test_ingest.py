@@ -392,9 +392,19 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
             assert np.array_equal(getattr(mine, c), getattr(whole, c)), c
         assert tl.steps.frame().equals(full.timelines[r].steps.frame())
     # the run's collectives, gathered from the ranks' tables read back from disk: each text once
+    # on disk (#20), each read a fresh copy of what the ranks' tables give
+    from diagnose.ingest.spill import Spilled
+    from diagnose.step.timeline import gather_collectives
+
+    assert isinstance(run.collectives, Spilled)
+    cols, again, direct = run.collective_columns(), run.collective_columns(), gather_collectives(run.timelines)
+    assert cols["arrival"] is not again["arrival"] and list(cols) == list(direct)
+    for c, v in direct.items():
+        assert cols[c].dtype == v.dtype, c
+        np.testing.assert_array_equal(cols[c], v, err_msg=c)
     for col in ("name", "pg"):
-        texts = {v: v for v in run.collectives[col]}
-        assert all(v is texts[v] for v in run.collectives[col]) and len(texts) < len(run.collectives[col]) / 8
+        texts = {v: v for v in cols[col]}
+        assert all(v is texts[v] for v in cols[col]) and len(texts) < len(cols[col]) / 8
 
 
 @pytest.mark.parametrize("parallel", [False, True])

@@ -9,9 +9,10 @@ back when needed (#20: the client's memory should not grow with the rank count):
   communication table);
 - after the checks' per-rank reductions: their summaries (each read by its own check;
   SpilledMap), the idle model (read by the breakdown), the cited events (read for the events a
-  finding cites) and the rank's collectives (read when the run is assembled).
-- once built, the step model's graph (step/graph.GraphOnDisk: its node columns, read back by
-  each replay and edit), in a spill of its own.
+  finding cites) and the rank's collectives (read when the run is assembled);
+- once gathered, the run's collective columns (Run.collectives), and once built, the step
+  model's graph (step/graph.GraphOnDisk: its node columns, read back by each replay and edit),
+  each in a spill of its own.
 With what else Keep (ingest/assemble.py) shares, a replicated DLRM rank in the parent went from
 32.6 to 4.1 KB, mostly pandas' and Python's per-object cost, not data; held as a row of run-wide
 columns (ingest/store.py), 2.4 KB with its collectives. What goes to disk arrives pickled where
