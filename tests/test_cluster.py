@@ -309,3 +309,31 @@ def test_the_stats_line():
                      retried=["x"], lost=[])
     assert s.line() == ("cluster tcp://h:8786: 8 file(s) read on 2 of 4 worker(s); 2.3 MiB travelled back "
                         "(300 KiB per file); 1 retried after a worker was lost")
+
+
+def test_a_workers_tasks_go_a_few_at_a_time_and_each_file_is_read_once(cluster, monkeypatch):
+    """TASKS_IN_FLIGHT a worker, the next submitted as one finishes (#20: every task's state held
+    at once grew with the rank count): the same diagnosis, each file read once."""
+    c, client = cluster
+    workers(client)
+    monkeypatch.setattr(dcluster, "TASKS_IN_FLIGHT", 1)  # 4 one-file tasks a worker, one at a time
+    with distributed.get_task_stream(client) as ts, connect(c.scheduler_address) as reader:
+        spread = diagnose_paths([DLRM], reader=reader)
+    assert as_json(spread) == as_json(diagnose_paths([DLRM]))
+    keys = completed_loads(ts.data)
+    assert len(keys) == 8 and all(k.startswith("diagnose-load-1-") for k in keys), keys
+    assert sorted(reader.stats.read_on.values()) == [4, 4] and not reader.stats.retried
+
+
+def test_a_killed_workers_tasks_not_yet_submitted_go_to_the_other(cluster, monkeypatch):
+    c, client = cluster
+    victim = workers(client)[1]
+    monkeypatch.setattr(dcluster, "TASKS_IN_FLIGHT", 1)
+    slow_down(client, victim, 1.0)  # its first task is still running when the other's first arrives
+    progress, fired = kill_at_first_result(client, victim)
+    with connect(c.scheduler_address) as reader:
+        spread = diagnose_paths([DLRM], reader=reader, progress=progress)
+    assert fired and not reader.stats.lost and not spread.skipped
+    assert len(reader.stats.retried) == 1  # the one in flight; the three queued are first reads elsewhere
+    assert list(spread.run.ranks_found) == list(range(8))
+    assert as_json(spread) == as_json(diagnose_paths([DLRM]))
