@@ -53,7 +53,7 @@ from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.collectives import collectives_table, rows_by_value
 from diagnose.step.cover import LANE_SETS
 from diagnose.step.intervals import Intervals, covered, intersect, union
-from diagnose.step.parts import LaneParts, LanePartsBuilder, PartsOnDisk
+from diagnose.step.parts import LaneParts, LanePartsBuilder, PartsOnDisk, read_only
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
 
 # node kinds, in the order they are processed at equal times
@@ -136,9 +136,7 @@ class GraphOnDisk:
         self.n_groups, self.group_key, self.step_nodes = g.n_groups, g.group_key, g.step_nodes
 
     def column(self, name: str) -> np.ndarray:
-        a = unspilled(self._cols[name])
-        a.setflags(write=False)  # as the graph's own: edits copy, the graph is never changed
-        return a
+        return read_only(unspilled(self._cols[name]))
 
     @property
     def ranks(self) -> list[int]:

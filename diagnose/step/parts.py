@@ -96,7 +96,7 @@ class PartsOnDisk:
 
     @property
     def total(self) -> np.ndarray:
-        return _read_only(unspilled(self._total))
+        return read_only(unspilled(self._total))
 
     def column(self, k: int) -> np.ndarray:
         out = np.zeros(self._n)
@@ -105,14 +105,15 @@ class PartsOnDisk:
 
     def loaded(self) -> LaneParts:
         """Every part read back at once: for a reader of many rows (the critical path)."""
-        return LaneParts(self.total, tuple(_read_only(unspilled(r)) for r in self._rows),
-                         tuple(_read_only(unspilled(v)) for v in self._values))
+        return LaneParts(self.total, tuple(read_only(unspilled(r)) for r in self._rows),
+                         tuple(read_only(unspilled(v)) for v in self._values))
 
     def row(self, v: int) -> np.ndarray:
         return self.loaded().row(v)
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
-    """What is read back as the graph's is never written, as the graph's own arrays are not."""
+def read_only(a: np.ndarray) -> np.ndarray:
+    """`a`, marked read-only: what is read back as the graph's is never written, as the graph's own
+    arrays are not (edits copy)."""
     a.setflags(write=False)
     return a
