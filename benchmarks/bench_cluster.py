@@ -289,12 +289,18 @@ def main(argv: list[str] | None = None) -> int:
         resident(a.resident, a.source)
         return 0
     if a.resident_of:
+        from diagnose.heap import keep_large_blocks_mapped
+
+        keep_large_blocks_mapped()  # as --measure
         resident_of(a.resident_of)
         return 0
     if a.per_file:
         per_file(a.per_file)
         return 0
     if a.measure:
+        from diagnose.heap import keep_large_blocks_mapped
+
+        keep_large_blocks_mapped()  # what `diagnose` does first (cli.main): the child is the command
         print(json.dumps(measure(a.measure, a.target)))
         return 0
     rows = []

@@ -53,6 +53,9 @@ def refuse_finished(pdir: Path, what: str) -> None:
 @click.version_option(__version__, prog_name="diagnose")
 def main() -> None:
     """Why is my distributed PyTorch job slow? Ranked causes from torch.profiler traces."""
+    from diagnose.heap import keep_large_blocks_mapped  # light: ctypes alone
+
+    keep_large_blocks_mapped()  # first, before any table is made (diagnose/heap.py: why)
 
 
 LINK_HELP = ("The link's peak bus bandwidth in GB/s, within a host and between hosts (what nccl-tests' "

@@ -11,7 +11,7 @@ import pandas as pd
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import ReduceFailed, Run, SharesText
 from diagnose.ingest.spill import unspilled
-from diagnose.ingest.store import give_back_freed
+from diagnose.heap import give_back_freed
 from diagnose.model import EventRef
 from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import breakdown_table
@@ -168,7 +168,7 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None,
 
 def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thresholds = DEFAULT) -> Context:
     matched = match_collectives(run)
-    give_back_freed()  # between phases: what each one built and dropped (ingest/store.give_back_freed)
+    give_back_freed()  # between phases: what each one built and dropped (heap.give_back_freed)
     model, error = None, None
     try:
         model = step_model(build_graph(run))

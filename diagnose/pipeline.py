@@ -9,7 +9,7 @@ from diagnose.context import Context, build_context, prune_dead_views
 from diagnose.extras import report_extras
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import Progress, Reader, Run, load_run
-from diagnose.ingest.store import give_back_freed
+from diagnose.heap import give_back_freed
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data

@@ -74,4 +74,6 @@ def test_lateness_heatmap_labels_each_collective_as_found_in_the_trace():
     assert one["collectives"] == ["step 4 · allreduce_ #0", "step 4 · broadcast #1"]
     many = pd.DataFrame([{"rank": r, "step": 1, "pg": "0", "seq": s, "name": "x", "lateness": 0.0}
                          for s in range(250) for r in (0, 1)])
-    assert len(_lateness_extra(SimpleNamespace(matched=SimpleNamespace(per_rank=many)))["collectives"]) == 200
+    capped = _lateness_extra(SimpleNamespace(matched=SimpleNamespace(per_rank=many.iloc[::-1])))
+    assert capped["collectives"] == [f"step 1 · x #{s}" for s in range(200)]  # the first 200, in order
+    assert capped["ranks"] == [1, 0] and all(len(row) == 200 for row in capped["lateness_ms"])

@@ -318,3 +318,22 @@ def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
     assert sg.critical_path(g, mem.base) == sg.critical_path(disk, model.base)
     s = int(g.step[g.kind == sg.STEP_END][0])
     assert sg.critical_segments(g, mem.base, s) == sg.critical_segments(disk, model.base, s)
+
+
+@pytest.mark.parametrize("block", [1, 7, 10**9])
+def test_a_replay_read_a_block_at_a_time_is_the_whole_graphs(monkeypatch, block):
+    """replay reads the graph's columns REPLAY_BLOCK nodes at a time (#20): at any block size, from
+    disk or from memory, the schedule is the one of the default block to the bit."""
+    from diagnose.ingest.spill import Spill
+
+    g = sg.build_graph(shared_run("param_dlrm_8rank_v100"))
+    whole = sg.replay(g)
+    disk = sg.GraphOnDisk(g, Spill())
+    assert g.n_nodes == disk.n_nodes > 7 and np.array_equal(disk.stretch("time", 5, 12), g.time[5:12])
+    monkeypatch.setattr(sg, "REPLAY_BLOCK", block)
+    w = g.lane_parts.total * 0.5  # an edit's weights too
+    for graph in (g, disk):
+        r = sg.replay(graph)
+        assert np.array_equal(r.time, whole.time) and np.array_equal(r.via, whole.via)
+        assert np.array_equal(r.via_cat, whole.via_cat) and np.array_equal(r.step_ms, whole.step_ms)
+        assert np.array_equal(sg.replay(graph, w).time, sg.replay(g, w).time)

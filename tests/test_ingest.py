@@ -392,13 +392,15 @@ def test_reduction_leaves_the_parent_only_summaries_and_evidence():
             assert np.array_equal(getattr(mine, c), getattr(whole, c)), c
         assert tl.steps.frame().equals(full.timelines[r].steps.frame())
     # the run's collectives, gathered from the ranks' tables read back from disk: each text once
-    # on disk (#20), each read a fresh copy of what the ranks' tables give
-    from diagnose.ingest.spill import Spilled
+    # on disk (#20), each column read alone, a fresh copy of what the ranks' tables give
+    from diagnose.ingest.spill import SpilledMap
     from diagnose.step.timeline import gather_collectives
 
-    assert isinstance(run.collectives, Spilled)
+    assert isinstance(run.collectives, SpilledMap)
     cols, again, direct = run.collective_columns(), run.collective_columns(), gather_collectives(run.timelines)
     assert cols["arrival"] is not again["arrival"] and list(cols) == list(direct)
+    some = run.collective_columns(("end", "rank"))
+    assert list(some) == ["end", "rank"] and np.array_equal(some["end"], direct["end"])
     for c, v in direct.items():
         assert cols[c].dtype == v.dtype, c
         np.testing.assert_array_equal(cols[c], v, err_msg=c)

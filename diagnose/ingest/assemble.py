@@ -33,10 +33,11 @@ import numpy as np
 import pandas as pd
 
 from diagnose.errors import DiagnoseError, one_line
+from diagnose.heap import give_back_freed, keep_large_blocks_mapped
 from diagnose.ingest import discover_traces, load_trace
 from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
 from diagnose.ingest.spill import Spill, Spilled, SpilledMap, Unspilling, pack, unspilled
-from diagnose.ingest.store import Arrivals, ByRank, give_back_freed
+from diagnose.ingest.store import Arrivals, ByRank
 from diagnose.step.cover import rank_cover
 from diagnose.step.idle import IdleModel, idle_model
 from diagnose.step.timeline import RankTimeline, build_timeline, gather_collectives
@@ -83,20 +84,25 @@ class Run:
     idle: Mapping[int, IdleModel | ReduceFailed] = field(default_factory=dict)
     """GPU ranks: the idle model (diagnose/step/idle.py), or why it could not be built; read from
     disk at each lookup (Keep)."""
-    collectives: dict[str, np.ndarray] | Spilled | None = None
+    collectives: Mapping[str, np.ndarray] | None = None
     """Every rank's collectives inside its steps as column arrays, read from the timelines once
     when the run is assembled (step/timeline.gather_collectives; None: read them when needed);
-    on disk from then, read back by each table built from them (`collective_columns`): held,
-    they were 0.7 MB at 1,024 replicated DLRM ranks through the checks, extras and replays,
-    most of which never read them (#20)."""
+    on disk from then, each column read back alone by the tables built from them
+    (`collective_columns`): held, they were 0.7 MB at 1,024 replicated DLRM ranks through the
+    checks, extras and replays, most of which never read them; read back whole, every column for
+    a table of three to eight (#20)."""
 
     @property
     def ranks(self) -> list[int]:
         return sorted(self.timelines)
 
-    def collective_columns(self) -> dict[str, np.ndarray] | None:
-        """`collectives`, read back where it lies on disk (a fresh copy)."""
-        return unspilled(self.collectives)
+    def collective_columns(self, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray] | None:
+        """The named columns of `collectives` (every one by default), each read back where it
+        lies on disk (a fresh copy); {} when the run has none."""
+        if self.collectives is None:
+            return None
+        return {c: self.collectives[c] for c in (self.collectives if names is None else names)} \
+            if len(self.collectives) else {}
 
     @property
     def missing_ranks(self) -> list[int]:
@@ -566,6 +572,7 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
              reduce: Reduce | None = None, progress: Progress | None = None, reader: Reader | None = None) -> Run:
     """reduce: each check's per-rank phase (analyzers.reduce_rank); without it every event is kept.
     reader: where the files are listed and read (default: here)."""
+    keep_large_blocks_mapped()  # for callers other than the CLI, which pins it at its start (heap.py)
     if reader is not None:
         loaded = reader.load(paths, max_bytes, reduce, progress)
     else:
@@ -608,7 +615,7 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
     del loaded, ok, by_rank, traces, kept  # each rank lies in its row now, or in the run's dicts
     give_back_freed()
     run.clock_offsets_us = _align_clocks(run.timelines, run.traces, warnings)
-    run.collectives = Spill().put(gather_collectives(run.timelines))
+    run.collectives = Spill().put_map(gather_collectives(run.timelines))
     if run.missing_ranks:
         found = len(run.ranks)
         miss = run.missing_ranks

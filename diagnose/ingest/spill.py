@@ -10,9 +10,9 @@ back when needed (#20: the client's memory should not grow with the rank count):
 - after the checks' per-rank reductions: their summaries (each read by its own check;
   SpilledMap), the idle model (read by the breakdown), the cited events (read for the events a
   finding cites) and the rank's collectives (read when the run is assembled);
-- once gathered, the run's collective columns (Run.collectives), and once built, the step
-  model's graph (step/graph.GraphOnDisk: its node columns, read back by each replay and edit),
-  each in a spill of its own.
+- once gathered, the run's collective columns (Run.collectives, each column read back alone), and
+  once built, the step model's graph (step/graph.GraphOnDisk: its node columns, read back by
+  each edit, and by each replay a block of nodes at a time), each in a spill of its own.
 With what else Keep (ingest/assemble.py) shares, a replicated DLRM rank in the parent went from
 32.6 to 4.1 KB, mostly pandas' and Python's per-object cost, not data; held as a row of run-wide
 columns (ingest/store.py), 2.4 KB with its collectives. What goes to disk arrives pickled where
@@ -31,6 +31,8 @@ from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
+
+import numpy as np
 
 
 PROTOCOL = 4
@@ -54,6 +56,13 @@ class Spill:
         data = obj.blob if isinstance(obj, Packed) else pickle.dumps(obj, protocol=PROTOCOL)
         at = self._append(data)
         return unpacked(obj) if at is None else Spilled(self, at, len(data))
+
+    def put_array(self, a: np.ndarray) -> SpilledArray | np.ndarray:
+        """A handle to read a 1-d array of plain numbers back whole or a stretch at a time
+        (SpilledArray), or `a` itself where the disk is not to be had."""
+        assert a.ndim == 1 and not a.dtype.hasobject, "raw bytes: numbers only"
+        at = None if self._broken else self._append(np.ascontiguousarray(a).tobytes())
+        return a if at is None else SpilledArray(self, at, a.dtype, a.size)
 
     def put_map(self, d: dict[str, Any]) -> Mapping[str, Any]:
         """A mapping that reads each value back when looked up (SpilledMap), or `d`'s values
@@ -121,6 +130,23 @@ class Spilled:
 
     def load(self) -> Any:
         return pickle.loads(self.spill.read(self.at, self.size))
+
+
+@dataclass(frozen=True, slots=True)
+class SpilledArray:
+    """Where a 1-d array's raw bytes lie in its spill: unlike a pickle, a stretch of it can be read
+    alone (a replay reads its graph's columns a block of nodes at a time: step/graph.replay)."""
+
+    spill: Spill
+    at: int
+    dtype: np.dtype
+    n: int
+
+    def load(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Elements [lo, hi) (the whole array by default): a fresh, read-only copy."""
+        hi = self.n if hi is None else min(hi, self.n)
+        size = self.dtype.itemsize
+        return np.frombuffer(self.spill.read(self.at + lo * size, max(hi - lo, 0) * size), dtype=self.dtype)
 
 
 def unspilled(x: Any) -> Any:

@@ -19,9 +19,8 @@ its objects (`Arrivals.add` says no).
 """
 from __future__ import annotations
 
-import ctypes
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -229,25 +228,3 @@ class ByRank(Mapping):
         if self._kind == "idle":
             return unspilled(self._rows.idle(p))
         return getattr(self._rows, self._kind)(p)
-
-
-def _trim() -> Callable[[], object] | None:
-    try:
-        f = ctypes.CDLL(None).malloc_trim
-        f.argtypes, f.restype = [ctypes.c_size_t], ctypes.c_int
-        return f
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to call, nothing lost
-        return None
-
-
-_MALLOC_TRIM = _trim()
-
-
-def give_back_freed() -> None:
-    """Return the heap's free pages to the system between the analysis's phases (glibc's
-    malloc_trim; elsewhere nothing). Each phase's short-lived arrays and tables are freed, but the
-    C heap keeps their pages while a long-lived object sits above them, so the client's resident
-    memory only grew, phase after phase (#20; measured at 1,024 DLRM ranks: a peak 2.5 MB lower
-    with it). Dask trims its workers the same way."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)

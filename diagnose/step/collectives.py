@@ -41,7 +41,8 @@ def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + 
     (Run.collectives): a frame per rank (`assign`, then `concat`) held about 7 KB a rank at the
     height of matching, of the graph's build and of the communication table (#20: the client's
     memory per rank)."""
-    cols = run.collective_columns() if run.collectives is not None else gather_collectives(run.timelines)
+    need = tuple(dict.fromkeys(columns + (("rank",) if aligned else ())))
+    cols = run.collective_columns(need) if run.collectives is not None else gather_collectives(run.timelines)
     if not cols:
         return pd.DataFrame(columns=list(columns))
     off = None

@@ -48,7 +48,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import Run
-from diagnose.ingest.spill import Spill, unspilled
+from diagnose.ingest.spill import Spill, SpilledArray
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.collectives import collectives_table, rows_by_value
 from diagnose.step.cover import LANE_SETS
@@ -111,6 +111,14 @@ class StepGraph:
     def ranks(self) -> list[int]:
         return np.unique(self.rank).tolist()
 
+    @property
+    def n_nodes(self) -> int:
+        return int(self.time.size)
+
+    def stretch(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Nodes [lo, hi) of a node column (GraphOnDisk reads only those)."""
+        return getattr(self, name)[lo:hi]
+
 
 NODE_COLUMNS = ("rank", "kind", "time", "step", "seg", "lane_prev", "group", "transfer", "order_prev",
                 "resume_of", "lag", "after_arrival")
@@ -128,15 +136,19 @@ class GraphOnDisk:
     replicated DLRM ranks (25,728 nodes), the largest piece of the client's model of the run. The
     unedited replay stays in memory (StepModel.base: each what-if is measured against it)."""
 
-    __slots__ = ("_cols", "lane_parts", "n_groups", "group_key", "step_nodes")
+    __slots__ = ("_cols", "lane_parts", "n_groups", "group_key", "step_nodes", "n_nodes")
 
     def __init__(self, g: StepGraph, spill: Spill) -> None:
-        self._cols = {k: spill.put(getattr(g, k)) for k in NODE_COLUMNS}
+        self._cols = {k: spill.put_array(getattr(g, k)) for k in NODE_COLUMNS}
         self.lane_parts = PartsOnDisk(g.lane_parts, spill)
-        self.n_groups, self.group_key, self.step_nodes = g.n_groups, g.group_key, g.step_nodes
+        self.n_groups, self.group_key, self.step_nodes, self.n_nodes = g.n_groups, g.group_key, g.step_nodes, g.n_nodes
 
     def column(self, name: str) -> np.ndarray:
-        return read_only(unspilled(self._cols[name]))
+        return self.stretch(name, 0, self.n_nodes)
+
+    def stretch(self, name: str, lo: int, hi: int) -> np.ndarray:
+        x = self._cols[name]
+        return x.load(lo, hi) if isinstance(x, SpilledArray) else read_only(x[lo:hi])
 
     @property
     def ranks(self) -> list[int]:
@@ -354,48 +366,59 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
                      group_key=keys, step_nodes=step_nodes(rank, step, kind))
 
 
+REPLAY_BLOCK = 4096
+"""Nodes of the graph's columns a replay reads at a time. What it needs whole is what it writes
+(each node's time and predecessor, read back at any earlier node) and the weights an edit changes;
+the eight columns it only reads, whole, were ~34 B a node more at each replay (#20: 0.9 MB at
+1,024 replicated DLRM ranks, the replays' part of the client's peak)."""
+_REPLAY_COLUMNS = ("kind", "time", "lane_prev", "group", "order_prev", "resume_of", "lag", "after_arrival")
+
+
 def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray | None = None) -> Replay:
     """Longest-path schedule of the graph with these lane weights and transfers (default: measured)."""
     w = g.lane_parts.total if lane_w is None else lane_w
     tr = g.transfer if transfer is None else transfer
-    time, after_arrival, lag = g.time, g.after_arrival, g.lag  # each once (GraphOnDisk reads them back)
-    n = time.size
+    n = g.n_nodes
     t = np.empty(n)
     via = np.full(n, -1, dtype=np.int32)
     via_cat = np.full(n, -1, dtype=np.int8)
     group_start = np.full(g.n_groups, -np.inf)
     group_last = np.full(g.n_groups, -1, dtype=np.int64)
-    kind, lane_prev, group, order_prev, resume_of = g.kind, g.lane_prev, g.group, g.order_prev, g.resume_of
-    for v in range(n):
-        k = kind[v]
-        if k == COLL_END:
-            gi = group[v]
-            t[v] = group_start[gi] + tr[v]
-            via[v], via_cat[v] = group_last[gi], TRANSFER
-            continue
-        p = lane_prev[v]
-        if p < 0:
-            t[v] = time[v]  # the rank's first point is anchored where it was measured
-        else:
-            t[v] = t[p] + w[v]
-            via[v], via_cat[v] = p, LANE
-        if k == ARRIVAL:
-            o = order_prev[v]
-            if o >= 0 and t[o] > t[v]:
-                t[v], via[v], via_cat[v] = t[o], o, ORDER
-            gi = group[v]
-            if t[v] > group_start[gi]:
-                group_start[gi], group_last[gi] = t[v], v
-        elif k == RESUME:
-            if after_arrival[v]:  # the last arrival is processed by now (measured before this point)
-                gi = group[v]
-                at = group_start[gi] + max(tr[resume_of[v]] + lag[v], 0.0)
-                if at > t[v]:
-                    t[v], via[v], via_cat[v] = at, group_last[gi], ORDER
+    for lo in range(0, n, REPLAY_BLOCK):
+        # node v is row v - lo of this block's columns; t, w and tr are indexed by node
+        kind, time, lane_prev, group, order_prev, resume_of, lag, after_arrival = (
+            g.stretch(c, lo, lo + REPLAY_BLOCK) for c in _REPLAY_COLUMNS)
+        for i in range(kind.size):
+            v = lo + i
+            k = kind[i]
+            if k == COLL_END:
+                gi = group[i]
+                t[v] = group_start[gi] + tr[v]
+                via[v], via_cat[v] = group_last[gi], TRANSFER
                 continue
-            e = resume_of[v]
-            if t[e] + lag[v] > t[v]:
-                t[v], via[v], via_cat[v] = t[e] + lag[v], e, ORDER
+            p = lane_prev[i]
+            if p < 0:
+                t[v] = time[i]  # the rank's first point is anchored where it was measured
+            else:
+                t[v] = t[p] + w[v]
+                via[v], via_cat[v] = p, LANE
+            if k == ARRIVAL:
+                o = order_prev[i]
+                if o >= 0 and t[o] > t[v]:
+                    t[v], via[v], via_cat[v] = t[o], o, ORDER
+                gi = group[i]
+                if t[v] > group_start[gi]:
+                    group_start[gi], group_last[gi] = t[v], v
+            elif k == RESUME:
+                if after_arrival[i]:  # the last arrival is processed by now (measured before this point)
+                    gi = group[i]
+                    at = group_start[gi] + max(tr[resume_of[i]] + lag[i], 0.0)
+                    if at > t[v]:
+                        t[v], via[v], via_cat[v] = at, group_last[gi], ORDER
+                    continue
+                e = resume_of[i]
+                if t[e] + lag[i] > t[v]:
+                    t[v], via[v], via_cat[v] = t[e] + lag[i], e, ORDER
     return Replay(time=t, via=via, via_cat=via_cat, step_ms=_durations_ms(g, t))
 
 
