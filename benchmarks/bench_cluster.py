@@ -19,6 +19,7 @@ more workers cannot shorten).
     python benchmarks/bench_cluster.py --per-file 256    # one file's CPU: local pool against a worker
     python benchmarks/bench_cluster.py --phases 512      # the client's Python memory by phase
     python benchmarks/bench_cluster.py --resident 1024   # its resident memory by phase and check
+    python benchmarks/bench_cluster.py --resident 1024 --paths cluster   # the same, read on a LocalCluster
     python benchmarks/bench_cluster.py --ranks 16,64 --paths local \\
         --source ../shared/traces/kineto_resnet50_dataloader_v100/nw0   # heavier ranks (26 MB each)
 
@@ -38,6 +39,8 @@ previous mark (VmHWM, reset between marks through /proc/self/clear_refs): what t
 made of, the interpreter's and the allocator's memory included, which tracemalloc does not see or
 does not place. Run it at two rank counts and compare: a check whose rise grows with the ranks is
 where the peak grows (a table of interned strings rebuilt at twice its size was found so; #20).
+With `--paths cluster` the files are read on a LocalCluster of 2 started in the child (its start
+is the first mark): the client's own rises while the results arrive (`load`) and after.
 """
 from __future__ import annotations
 
@@ -165,7 +168,8 @@ def phases(n: int, source: Path = SOURCE) -> None:
         marks.append((label, cur / 1e6, peak / 1e6))
         tracemalloc.reset_peak()
 
-    for module, names in ((context, ("match_collectives", "build_graph", "step_model")),
+    for module, names in ((assemble, ("load_files", "gather_collectives")), (DaskReader, ("load",)),
+                          (context, ("match_collectives", "build_graph", "step_model")),
                           (pipeline, ("build_context", "run_checklist", "annotate"))):
         for name in names:
             setattr(module, name, _between_marks(getattr(module, name), name, mark))
@@ -189,24 +193,27 @@ def _status_mb() -> tuple[float, float]:
     return got.get("VmRSS", float("nan")), got.get("VmHWM", float("nan"))
 
 
-def resident(n: int, source: Path = SOURCE) -> None:
+def resident(n: int, source: Path = SOURCE, kind: str = "local") -> None:
     """Builds the ranks here, measures in a child process: what building them left in this one
     (the decoded source traces) would hide the analysis's rises."""
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         target = build(Path(tmp), n, source)
-        res = subprocess.run([sys.executable, __file__, "--resident-of", str(target)], cwd=ROOT, text=True,
-                             capture_output=True)
+        res = subprocess.run([sys.executable, __file__, "--resident-of", str(target), "--paths", kind], cwd=ROOT,
+                             text=True, capture_output=True)
     print(res.stdout, end="")
     if res.returncode != 0:
         print((res.stderr.strip().splitlines() or ["failed"])[-1][:300])
 
 
-def resident_of(target: str) -> None:
+def resident_of(target: str, kind: str = "local") -> None:
+    from contextlib import nullcontext
     from dataclasses import replace
 
     import diagnose.context as context
     import diagnose.extras as extras
+    import diagnose.ingest.assemble as assemble
     import diagnose.pipeline as pipeline
+    from diagnose.ingest.cluster import DaskReader, connect
 
     marks: list[tuple[str, float, float]] = []
     try:
@@ -222,7 +229,8 @@ def resident_of(target: str) -> None:
         except OSError:
             pass
 
-    for module, names in ((context, ("match_collectives", "build_graph", "step_model")),
+    for module, names in ((assemble, ("load_files", "gather_collectives")), (DaskReader, ("load",)),
+                          (context, ("match_collectives", "build_graph", "step_model")),
                           (pipeline, ("build_context", "run_checklist", "report_extras", "annotate")),
                           (extras, ("_lateness_extra", "_timeline_extra", "_top_ops_extra", "_comm_groups_extra",
                                     "_compiled_extra", "_over_time_extra"))):
@@ -230,9 +238,10 @@ def resident_of(target: str) -> None:
             setattr(module, name, _between_marks(getattr(module, name), name, mark))
     pipeline.CHECKLIST = tuple(replace(e, analyze=_between_marks(e.analyze, f"check {e.name}", mark))
                                for e in pipeline.CHECKLIST)
-    mark("start")
-    d = pipeline.diagnose_paths([target], jobs=2)
-    mark("end")
+    with connect("local:2") if kind == "cluster" else nullcontext() as reader:
+        mark("start" + (" (the cluster up)" if reader else ""))
+        d = pipeline.diagnose_paths([target], jobs=2, reader=reader)
+        mark("end")
     print(f"{len(d.run.ranks_found)} ranks, the client's resident memory (MB): at the mark, highest since the "
           "previous mark, and the rise over the previous mark")
     prev = marks[0][1]
@@ -286,13 +295,13 @@ def main(argv: list[str] | None = None) -> int:
         phases(a.phases, a.source)
         return 0
     if a.resident:
-        resident(a.resident, a.source)
+        resident(a.resident, a.source, "cluster" if a.paths == "cluster" else "local")
         return 0
     if a.resident_of:
         from diagnose.heap import keep_large_blocks_mapped
 
         keep_large_blocks_mapped()  # as --measure
-        resident_of(a.resident_of)
+        resident_of(a.resident_of, "cluster" if a.paths == "cluster" else "local")
         return 0
     if a.per_file:
         per_file(a.per_file)

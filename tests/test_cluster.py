@@ -254,6 +254,23 @@ def test_the_command_line_with_a_local_cluster(tmp_path):
     assert written == as_json(diagnose_paths([DLRM]))
 
 
+def test_dasks_own_logs_are_kept_short_while_connected():
+    """Dask keeps its last 1,000 messages on each stream, and its transitions, for its debugging:
+    the client kept every task it sent, and a LocalCluster's scheduler (in the client's process)
+    every task message with its arguments (#20). Short while connected; Dask's own after."""
+    import dask
+
+    before = (dask.config.get("distributed.admin.low-level-log-length"),
+              dask.config.get("distributed.admin.system-monitor.log-length"))
+    with connect("local:1") as reader:
+        sched = reader.client.cluster.scheduler
+        kept = [reader.client.scheduler_comm.recent_message_log.maxlen, sched.transition_log.maxlen,
+                sched.monitor.quantities["cpu"].maxlen] + [b.recent_message_log.maxlen for b in sched.stream_comms.values()]
+        assert len(kept) == 4 and set(kept) == {dcluster.LOW_LEVEL_LOG}
+    assert (dask.config.get("distributed.admin.low-level-log-length"),
+            dask.config.get("distributed.admin.system-monitor.log-length")) == before
+
+
 def _main():
     from diagnose.cli import main
 

@@ -51,6 +51,15 @@ BATCH_BYTES = 64 * 1024**2
 """Trace bytes per task at most: a big trace's own read dwarfs a task's overhead, so it goes alone."""
 MIN_BATCHES = 4
 """Tasks per worker at least, when it has that many files."""
+LOW_LEVEL_LOG = 16
+"""Dask's `distributed.admin.low-level-log-length` (1,000 by default) while connected: how many of
+its recent messages each batched stream keeps, and a scheduler's transitions and events, for
+Dask's own debugging. At 1,000 the client kept every task it submitted (the pickled graph sent
+to the scheduler) and a LocalCluster's scheduler, in the client's process, every task message it
+sent to a worker, each task's arguments included: ~1.1 MB at 1,024 DLRM ranks after the last
+result had arrived, 0.3 at 256 (tracemalloc; #20). Also the length of a LocalCluster's scheduler's
+record of the machine's load (`distributed.admin.system-monitor.log-length`, for its dashboard):
+two samples a second, 7,200 kept by default, so it grew with the run's length."""
 TASKS_IN_FLIGHT = 4
 """Tasks submitted to a worker at a time, its next one submitted as one finishes: not every task of
 the run at once, whose states the client (and a LocalCluster's scheduler, in the client's process)
@@ -228,29 +237,33 @@ def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Iterator["Das
         where, n = parse_address(address)
     except ValueError as exc:
         raise DiagnoseError(f"--cluster {exc}") from None
-    cluster = None
-    try:
-        if n is not None:
-            import dask
+    import dask
 
-            # one thread per process: the per-rank work is pandas/numpy that holds the GIL often;
-            # port 0: the scheduler's HTTP endpoints on a free port, never a clash with a running cluster's
-            with dask.config.set({"distributed.nanny.pre-spawn-environ": _spawn_environ()}):
-                cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
-                                       silence_logs=logging.ERROR)
-            client = Client(cluster)
-        else:
-            client = Client(where, timeout=timeout_s)
-    except (OSError, TimeoutError) as exc:
-        if cluster is not None:
-            cluster.close()
-        raise DiagnoseError(f"cannot reach the Dask scheduler at {address} ({exc})") from None
-    try:
-        yield DaskReader(client, address if n is None else f"LocalCluster of {n}")
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+    # read where each is made (the client's and a LocalCluster's scheduler's message streams and
+    # logs): set while they are, Dask's own after
+    with dask.config.set({"distributed.admin.low-level-log-length": LOW_LEVEL_LOG,
+                          "distributed.admin.system-monitor.log-length": LOW_LEVEL_LOG}):
+        cluster = None
+        try:
+            if n is not None:
+                # one thread per process: the per-rank work is pandas/numpy that holds the GIL often;
+                # port 0: the scheduler's HTTP endpoints on a free port, never a clash with a running cluster's
+                with dask.config.set({"distributed.nanny.pre-spawn-environ": _spawn_environ()}):
+                    cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                                           dashboard_address=":0", silence_logs=logging.ERROR)
+                client = Client(cluster)
+            else:
+                client = Client(where, timeout=timeout_s)
+        except (OSError, TimeoutError) as exc:
+            if cluster is not None:
+                cluster.close()
+            raise DiagnoseError(f"cannot reach the Dask scheduler at {address} ({exc})") from None
+        try:
+            yield DaskReader(client, address if n is None else f"LocalCluster of {n}")
+        finally:
+            client.close()
+            if cluster is not None:
+                cluster.close()
 
 
 class DaskReader:
