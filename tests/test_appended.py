@@ -22,7 +22,7 @@ def _appended(parts):
     [np.array([1, 2], dtype=np.int64), np.array([0.5])],  # ranks that disagree: numpy promotes
     [np.array([1.5]), np.array(["x"], dtype=object)],
     [np.array([1, 2], dtype=np.int32), np.array([3], dtype=np.int32)],  # no typed buffer here
-    [np.array([True, False])],
+    [np.array([True, False]), np.array([], dtype=bool), np.array([True])],
 ], ids=["int64", "float64", "objects", "int-then-float", "float-then-object", "int32", "bool"])
 def test_a_grown_column_is_the_ranks_arrays_joined(parts):
     got, want = _appended(parts).array(), np.concatenate(parts)
@@ -46,7 +46,8 @@ def test_the_breakdown_frame_gives_back_its_rows_as_computed(where):
     import pandas as pd
 
     from diagnose.context import build_context
-    from diagnose.step.breakdown import FIELDS, MS_FIELDS, breakdown_rows
+    from diagnose.step.breakdown import CAUSE_COLUMNS, FIELDS, HAS_CAUSES, MS_FIELDS, breakdown_rows
+    from diagnose.step.idle import CLASSES
     from tests.conftest import fixture_run, shared_run
 
     fixtures = Path(__file__).resolve().parent / "fixtures"
@@ -59,6 +60,11 @@ def test_the_breakdown_frame_gives_back_its_rows_as_computed(where):
         assert type(b.rank) is int and type(b.step) is int and type(b.start_us) is float
         assert all(type(getattr(b, f)) is np.float64 for f in MS_FIELDS)
         assert type(b.other_by_cause_ms) is dict
-    again = pd.DataFrame({f: [getattr(b, f) for b in rows] for f in FIELDS})
-    pd.testing.assert_frame_equal(again, table)
+    again = pd.DataFrame({f: [getattr(b, f) for b in rows] for f in FIELDS if f != "other_by_cause_ms"})
+    pd.testing.assert_frame_equal(again, table[list(again.columns)])
+    # the split by cause, a column per class in the frame, a dict per row (empty without a split)
+    assert list(table.columns) == list(again.columns) + list(CAUSE_COLUMNS) + [HAS_CAUSES]
+    for b, (_, row) in zip(rows, table.iterrows()):
+        assert b.other_by_cause_ms == ({c: row[k] for c, k in zip(CLASSES, CAUSE_COLUMNS)} if row[HAS_CAUSES] else {})
+        assert all(type(v) is float for v in b.other_by_cause_ms.values())
     assert all(bool(b.other_by_cause_ms) == run.timelines[b.rank].is_gpu for b in rows)  # GPU: idle split

@@ -406,12 +406,13 @@ def test_a_rank_without_an_idle_split_is_left_out_of_the_late_ranks_comparison()
 
     from diagnose.analyzers import why_late
     from diagnose.ingest.assemble import ReduceFailed
+    from diagnose.step.breakdown import cause_column
 
     run = shared_run("param_dlrm_8rank_v100")
     failed = dataclasses.replace(run, idle={**run.idle, **{r: ReduceFailed("idle model failed") for r in (1, 2, 3)}})
     ctx = build_context(failed, {})
     t = ctx.table
-    launch = {r: statistics.fmean(d["launch"] for d in t[t["rank"] == r]["other_by_cause_ms"])
+    launch = {r: statistics.fmean(t[t["rank"] == r][cause_column("launch")])
               for r in run.ranks if r not in (1, 2, 3)}
     want = launch[7] - statistics.median(v for r, v in launch.items() if r != 7)
     w = why_late.why_late(ctx, 7)

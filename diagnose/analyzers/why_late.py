@@ -15,6 +15,8 @@ import pandas as pd
 
 from diagnose.analyzers.common import host_self_times
 from diagnose.context import Context
+from diagnose.step.breakdown import CAUSE_COLUMNS, HAS_CAUSES
+from diagnose.step.idle import CLASSES
 from diagnose.ingest.load import KIND_KERNEL, RankTrace
 from diagnose.step.timeline import RankTimeline
 
@@ -178,10 +180,12 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
     also = tuple((k, label(k), round(float(v), 3)) for k, v in sorted(excess.items(), key=lambda kv: -kv[1])
                  if k != top and source and v > 0 and v >= ALSO_SHARE * excess[top])
     detail = ""
-    if top == "other_ms" and source and "other_by_cause_ms" in ctx.table:
+    if top == "other_ms" and source and HAS_CAUSES in ctx.table:
         # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes).
         # A rank whose idle model could not be built has no split: left out, not read as zero idle
-        by = pd.DataFrame(list(ctx.table["other_by_cause_ms"]), index=ctx.table["rank"]).dropna(how="all")
+        t = ctx.table[ctx.table[HAS_CAUSES]]
+        by = pd.DataFrame(t[list(CAUSE_COLUMNS)].to_numpy(), index=t["rank"].to_numpy(),
+                          columns=list(CLASSES)).dropna(how="all")
         if not by.empty and rank in by.index and by.index.nunique() >= 2:
             m = by.groupby(level=0).mean()
             cls = (m.loc[rank] - m.drop(index=rank).median()).sort_values(ascending=False)

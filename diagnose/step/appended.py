@@ -12,7 +12,7 @@ from array import array
 
 import numpy as np
 
-_CODES = {np.dtype(np.int64): "q", np.dtype(np.float64): "d"}
+_CODES = {np.dtype(np.int64): "q", np.dtype(np.float64): "d", np.dtype(np.bool_): "b"}
 
 
 class Appended:

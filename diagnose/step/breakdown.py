@@ -61,15 +61,27 @@ def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
 FIELDS = tuple(f.name for f in fields(StepBreakdown))
 MS_FIELDS = tuple(f for f in FIELDS if f.endswith("_ms") and f != "other_by_cause_ms")
 """The components in ms (step_ms ... other_ms): numpy floats, as the ranks' arrays give them."""
+CAUSE_COLUMNS = tuple(f"other_by_cause_ms:{c}" for c in CLASSES)
+"""breakdown_table's columns for StepBreakdown.other_by_cause_ms, one per idle class (NaN where the
+rank has no split): a dict a row was ~0.4 KB a DLRM rank held through every check (#20)."""
+HAS_CAUSES = "other_by_cause"
+"""breakdown_table's column saying which rows have the split (GPU ranks with an idle model)."""
+TABLE_COLUMNS = tuple(f for f in FIELDS if f != "other_by_cause_ms") + CAUSE_COLUMNS + (HAS_CAUSES,)
+
+
+def cause_column(cls: str) -> str:
+    """breakdown_table's column of the idle class `cls` (step/idle.CLASSES)."""
+    return CAUSE_COLUMNS[CLASSES.index(cls)]
 
 
 def breakdown_table(run: Run, matched: Matched) -> pd.DataFrame:
-    """The breakdown as one frame, a row per (rank, step) and a column per StepBreakdown field
-    (empty, no columns, when no rank has a step): what the checks read (Context.table). Built a
-    column at a time from each rank's arrays, not from a StepBreakdown per row: those were held
-    beside the frame through every check for the report alone (0.8 MB at 1,024 replicated DLRM
-    ranks; #20), and are made from it only at the end (breakdown_rows)."""
-    out = {f: Appended() for f in FIELDS}
+    """The breakdown as one frame, a row per (rank, step) and a column per StepBreakdown field, the
+    split of other_ms by cause a column per class (TABLE_COLUMNS; empty, no columns, when no rank
+    has a step): what the checks read (Context.table). Built a column at a time from each rank's
+    arrays, not from a StepBreakdown per row: those were held beside the frame through every check
+    for the report alone (0.8 MB at 1,024 replicated DLRM ranks; #20), and are made from it only at
+    the end (breakdown_rows)."""
+    out = {f: Appended() for f in TABLE_COLUMNS}
     all_waits = waits_by_rank(run, matched)
     for r in run.ranks:
         tl = run.timelines[r]
@@ -88,17 +100,19 @@ def breakdown_table(run: Run, matched: Matched) -> pd.DataFrame:
         gaps = run.idle.get(r)
         split = gaps.outside_dataloader_us if gaps is not None and not isinstance(gaps, ReduceFailed) else None
         n = len(tl.steps.step)
-        causes = [{c: round(float(split[i, k]) / 1000, 6) for k, c in enumerate(CLASSES)} if split is not None
-                  else {} for i in range(n)]
+        # the same values the dicts held: rounded from each float, not as an array (bit for bit)
+        causes = np.array([[round(float(split[i, k]) / 1000, 6) for k in range(len(CLASSES))] for i in range(n)],
+                          dtype=np.float64).reshape(n, len(CLASSES)) if split is not None \
+            else np.full((n, len(CLASSES)), np.nan)
         for f, v in (("rank", np.full(n, r, dtype=np.int64)), ("step", np.asarray(tl.steps.step).astype(np.int64)),
                      ("start_us", np.asarray(lo, dtype=np.float64)), ("step_ms", step_us / 1000),
                      ("compute_ms", compute / 1000), ("exposed_comm_ms", exposed / 1000),
                      ("straggler_wait_ms", wait / 1000), ("dataloader_ms", dl / 1000), ("other_ms", other / 1000),
-                     ("other_by_cause_ms", np.fromiter(causes, dtype=object, count=n))):
+                     *zip(CAUSE_COLUMNS, causes.T), (HAS_CAUSES, np.full(n, split is not None))):
             out[f].add(v)
     if not out["rank"].n:
         return pd.DataFrame()
-    return pd.DataFrame({f: out.pop(f).array() for f in FIELDS})
+    return pd.DataFrame({f: out.pop(f).array() for f in TABLE_COLUMNS})
 
 
 def breakdown_rows(table: pd.DataFrame) -> Iterator[StepBreakdown]:
@@ -106,8 +120,9 @@ def breakdown_rows(table: pd.DataFrame) -> Iterator[StepBreakdown]:
     computed (a rank and step as int, start_us as float, the ms as numpy floats)."""
     if table.empty:
         return
-    cols = {f: table[f].to_numpy() for f in FIELDS}
+    cols = {f: table[f].to_numpy() for f in TABLE_COLUMNS}
     for i in range(len(table)):
+        causes = {c: float(cols[k][i]) for c, k in zip(CLASSES, CAUSE_COLUMNS)} if cols[HAS_CAUSES][i] else {}
         yield StepBreakdown(rank=int(cols["rank"][i]), step=int(cols["step"][i]),
                             start_us=float(cols["start_us"][i]),
-                            **{f: cols[f][i] for f in MS_FIELDS}, other_by_cause_ms=cols["other_by_cause_ms"][i])
+                            **{f: cols[f][i] for f in MS_FIELDS}, other_by_cause_ms=causes)
