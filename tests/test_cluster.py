@@ -260,15 +260,13 @@ def test_dasks_own_logs_are_kept_short_while_connected():
     every task message with its arguments (#20). Short while connected; Dask's own after."""
     import dask
 
-    before = (dask.config.get("distributed.admin.low-level-log-length"),
-              dask.config.get("distributed.admin.system-monitor.log-length"))
+    before = dask.config.get("distributed.admin.low-level-log-length")
     with connect("local:1") as reader:
         sched = reader.client.cluster.scheduler
-        kept = [reader.client.scheduler_comm.recent_message_log.maxlen, sched.transition_log.maxlen,
-                sched.monitor.quantities["cpu"].maxlen] + [b.recent_message_log.maxlen for b in sched.stream_comms.values()]
-        assert len(kept) == 4 and set(kept) == {dcluster.LOW_LEVEL_LOG}
-    assert (dask.config.get("distributed.admin.low-level-log-length"),
-            dask.config.get("distributed.admin.system-monitor.log-length")) == before
+        kept = [reader.client.scheduler_comm.recent_message_log.maxlen, sched.transition_log.maxlen] + \
+            [b.recent_message_log.maxlen for b in sched.stream_comms.values()]
+        assert len(kept) == 3 and set(kept) == {dcluster.LOW_LEVEL_LOG}
+    assert dask.config.get("distributed.admin.low-level-log-length") == before
 
 
 def _main():
