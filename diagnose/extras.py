@@ -240,8 +240,8 @@ def _lateness_extra(ctx: Context) -> dict:
     # only the columns read: the whole matched table sorted was a copy of every column (#20)
     pr = pr[["rank", *key, "name", "lateness"]].sort_values(key)
     first = ~pr.duplicated(key)  # each collective's first row, in the sorted order
-    # its rows of the first 200 collectives, in the same order: a mask, not a merge with the
-    # keys (a third copy of the table, with its hash table: the extra's height at 1,024 ranks)
+    # its rows of the first 200 collectives, in the same order: a mask, not a merge with the keys
+    # (a third copy of the table with a hash table; with 200 or fewer, the table as it is)
     sub = pr if int(first.sum()) <= 200 else pr[first.cumsum().to_numpy() <= 200]
     del first
     # a column a reader can find in the trace: "step 4 · all_reduce #0", the group only when several;

@@ -99,10 +99,9 @@ class Run:
     def collective_columns(self, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray] | None:
         """The named columns of `collectives` (every one by default), each read back where it
         lies on disk (a fresh copy); {} when the run has none."""
-        if self.collectives is None:
-            return None
-        return {c: self.collectives[c] for c in (self.collectives if names is None else names)} \
-            if len(self.collectives) else {}
+        if self.collectives is None or not len(self.collectives):
+            return None if self.collectives is None else {}
+        return {c: self.collectives[c] for c in (self.collectives if names is None else names)}
 
     @property
     def missing_ranks(self) -> list[int]:

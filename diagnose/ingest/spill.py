@@ -149,6 +149,16 @@ class SpilledArray:
         return np.frombuffer(self.spill.read(self.at + lo * size, max(hi - lo, 0) * size), dtype=self.dtype)
 
 
+def array_stretch(x: SpilledArray | np.ndarray, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """Elements [lo, hi) of what Spill.put_array gave, read-only: read back from disk, or a view of
+    the array itself where the disk was not to be had (its owner never writes it either)."""
+    if isinstance(x, SpilledArray):
+        return x.load(lo, hi)
+    v = x[lo:hi]
+    v.setflags(write=False)
+    return v
+
+
 def unspilled(x: Any) -> Any:
     """x itself, or what it stands for when spilled."""
     return x.load() if isinstance(x, Spilled) else x

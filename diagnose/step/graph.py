@@ -48,12 +48,12 @@ import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import Run
-from diagnose.ingest.spill import Spill, SpilledArray
+from diagnose.ingest.spill import Spill, array_stretch
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.collectives import collectives_table, rows_by_value
 from diagnose.step.cover import LANE_SETS
 from diagnose.step.intervals import Intervals, covered, intersect, union
-from diagnose.step.parts import LaneParts, LanePartsBuilder, PartsOnDisk, read_only
+from diagnose.step.parts import LaneParts, LanePartsBuilder, PartsOnDisk
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
 
 # node kinds, in the order they are processed at equal times
@@ -147,8 +147,7 @@ class GraphOnDisk:
         return self.stretch(name, 0, self.n_nodes)
 
     def stretch(self, name: str, lo: int, hi: int) -> np.ndarray:
-        x = self._cols[name]
-        return x.load(lo, hi) if isinstance(x, SpilledArray) else read_only(x[lo:hi])
+        return array_stretch(self._cols[name], lo, hi)
 
     @property
     def ranks(self) -> list[int]:

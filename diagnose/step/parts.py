@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diagnose.ingest.spill import Spill, unspilled
+from diagnose.ingest.spill import Spill, array_stretch
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,31 +89,21 @@ class PartsOnDisk:
 
     def __init__(self, p: LaneParts, spill: Spill) -> None:
         self._n = p.total.size
-        self._total = spill.put(p.total)
-        self._rows = tuple(spill.put(r) for r in p.rows)
-        self._values = tuple(spill.put(v) for v in p.values)
+        self._total = spill.put_array(p.total)
+        self._rows = tuple(spill.put_array(r) for r in p.rows)
+        self._values = tuple(spill.put_array(v) for v in p.values)
         self.n_parts = p.n_parts
 
     @property
     def total(self) -> np.ndarray:
-        return read_only(unspilled(self._total))
+        return array_stretch(self._total)
 
     def column(self, k: int) -> np.ndarray:
         out = np.zeros(self._n)
-        out[unspilled(self._rows[k])] = unspilled(self._values[k])
+        out[array_stretch(self._rows[k])] = array_stretch(self._values[k])
         return out
 
     def loaded(self) -> LaneParts:
         """Every part read back at once: for a reader of many rows (the critical path)."""
-        return LaneParts(self.total, tuple(read_only(unspilled(r)) for r in self._rows),
-                         tuple(read_only(unspilled(v)) for v in self._values))
-
-    def row(self, v: int) -> np.ndarray:
-        return self.loaded().row(v)
-
-
-def read_only(a: np.ndarray) -> np.ndarray:
-    """`a`, marked read-only: what is read back as the graph's is never written, as the graph's own
-    arrays are not (edits copy)."""
-    a.setflags(write=False)
-    return a
+        return LaneParts(self.total, tuple(array_stretch(r) for r in self._rows),
+                         tuple(array_stretch(v) for v in self._values))
