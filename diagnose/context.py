@@ -10,7 +10,7 @@ import pandas as pd
 
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import ReduceFailed, Run, SharesText
-from diagnose.ingest.spill import unspilled
+from diagnose.ingest.spill import Spill, unspilled
 from diagnose.heap import give_back_freed
 from diagnose.model import EventRef
 from diagnose.probedata import ProbeData
@@ -140,7 +140,7 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None,
     moves. Then the next group among the rest, while it adds that share again and all of them stay
     fewer than half the ranks (a second slow host, less late: fixing the first alone leaves the
     others waiting for it)."""
-    pr = matched.per_rank
+    pr = matched.frame(["rank", "lateness"])
     if pr.empty:
         return ()
     spans = [tl.steps.end - tl.steps.start for tl in run.timelines.values()]
@@ -178,5 +178,6 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
     groups = late_peers(run, matched, model, th)
     matched = wait_for_group(matched, tuple(r for g in groups for r in g))
     table = breakdown_table(run, matched)
+    matched = matched.on_disk(Spill())  # read a few columns at a time from here (Matched.on_disk: why)
     return Context(run=run, matched=matched, table=table, probes=probes or {}, model=model,
                    model_error=error, late_groups=groups)

@@ -233,12 +233,12 @@ def _compiled_extra(ctx: Context) -> dict:
 
 def _lateness_extra(ctx: Context) -> dict:
     """Rank x collective arrival lateness (ms) for the report's heatmap; capped in size."""
-    pr = ctx.matched.per_rank
-    if pr.empty:
-        return {}
     key = ["step", "pg", "seq"]
     # only the columns read: the whole matched table sorted was a copy of every column (#20)
-    pr = pr[["rank", *key, "name", "lateness"]].sort_values(key)
+    pr = ctx.matched.frame(["rank", *key, "name", "lateness"])
+    if pr.empty:
+        return {}
+    pr = pr.sort_values(key)
     first = ~pr.duplicated(key)  # each collective's first row, in the sorted order
     # its rows of the first 200 collectives, in the same order: a mask, not a merge with the keys
     # (a third copy of the table with a hash table; with 200 or fewer, the table as it is)

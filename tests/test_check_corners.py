@@ -456,7 +456,7 @@ def test_one_matched_collective_is_too_few_to_be_sure():
     m = ctx.matched
     first = m.per_collective.iloc[:1]
     key = ["step", "pg", "seq"]
-    rows = m.per_rank.merge(first[key], on=key)
+    rows = m.frame().merge(first[key], on=key)
     one = dataclasses.replace(ctx, matched=dataclasses.replace(m, per_collective=first, per_rank=rows), model=None)
     (c,) = straggler.analyze(one, DEFAULT)
     assert c.finding.metrics["collectives_matched"] == 1

@@ -56,6 +56,7 @@ def test_lateness_heatmap_labels_each_collective_as_found_in_the_trace():
     import pandas as pd
 
     from diagnose.extras import _lateness_extra
+    from diagnose.step.collectives import Matched
 
     rows = []
     for rank in (1, 0):
@@ -63,17 +64,19 @@ def test_lateness_heatmap_labels_each_collective_as_found_in_the_trace():
                                     (4, "0", 0, "c10d::allreduce_"), (4, "1", 0, "gloo:all_gather")):
             rows.append({"rank": rank, "step": step, "pg": pg, "seq": seq, "name": name,
                          "lateness": 1000.0 * (rank + 1) * (seq + 1), "arrival": 0.0})
-    ctx = SimpleNamespace(matched=SimpleNamespace(per_rank=pd.DataFrame(rows)))
+    def matched(frame):
+        return Matched(frame, pd.DataFrame(), 1.0)
+
+    ctx = SimpleNamespace(matched=matched(pd.DataFrame(rows)))
     got = _lateness_extra(ctx)
     assert got["collectives"] == ["step 4 · allreduce_ #0 (group 0)", "step 4 · broadcast #1 (group 0)",
                                   "step 4 · all_gather #0 (group 1)", "step 5 · all_reduce #0 (group 1)"]
     assert got["ranks"] == [1, 0]
     assert got["lateness_ms"] == [[2.0, 4.0, 2.0, 2.0], [1.0, 2.0, 1.0, 1.0]]
-    one = _lateness_extra(SimpleNamespace(matched=SimpleNamespace(
-        per_rank=pd.DataFrame([r for r in rows if r["pg"] == "0"]))))
+    one = _lateness_extra(SimpleNamespace(matched=matched(pd.DataFrame([r for r in rows if r["pg"] == "0"]))))
     assert one["collectives"] == ["step 4 · allreduce_ #0", "step 4 · broadcast #1"]
     many = pd.DataFrame([{"rank": r, "step": 1, "pg": "0", "seq": s, "name": "x", "lateness": 0.0}
                          for s in range(250) for r in (0, 1)])
-    capped = _lateness_extra(SimpleNamespace(matched=SimpleNamespace(per_rank=many.iloc[::-1])))
+    capped = _lateness_extra(SimpleNamespace(matched=matched(many.iloc[::-1])))
     assert capped["collectives"] == [f"step 1 · x #{s}" for s in range(200)]  # the first 200, in order
     assert capped["ranks"] == [1, 0] and all(len(row) == 200 for row in capped["lateness_ms"])

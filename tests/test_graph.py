@@ -308,6 +308,10 @@ def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
     for k in range(len(sg.PARTS)):
         assert np.array_equal(disk.lane_parts.column(k), g.lane_parts.column(k))
     assert disk.ranks == g.ranks
+    # each lane node's anchor, found once where the graph is put on disk: the straggler edit's
+    seg = disk.anchor_segments()
+    assert np.array_equal(seg, sg._anchor_segments(g)) and np.array_equal(seg, g.anchor_segments())
+    assert (seg >= 0).any() and not seg.flags.writeable
     model = step_model(g)
     assert isinstance(model.graph, sg.GraphOnDisk)
     mem = StepModel(graph=g, base=sg.replay(g), fidelity=model.fidelity, steps=model.steps)  # in memory
@@ -315,6 +319,8 @@ def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
         assert np.array_equal(a.time, b.time) and np.array_equal(a.via, b.via)
     for cause in list(EDITS) + ["best_transfer"]:
         assert mem.saving(cause) == model.saving(cause), cause
+    every = {c: (tuple(g.ranks[:1]) if c == "straggler" else ()) for c in EDITS}  # chained edits
+    assert mem.without(every) == model.without(every) < model.base.mean_step_ms
     assert sg.critical_path(g, mem.base) == sg.critical_path(disk, model.base)
     s = int(g.step[g.kind == sg.STEP_END][0])
     assert sg.critical_segments(g, mem.base, s) == sg.critical_segments(disk, model.base, s)

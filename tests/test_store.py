@@ -94,15 +94,22 @@ def test_the_run_is_rank_keyed_views_of_the_rows_only_after_the_reductions():
         assert whole.traces[r].path == reduced.traces[r].path and reduced.traces[r].rank == r
 
 
-def test_a_ranks_path_is_the_one_it_arrived_with_at_every_lookup():
-    """Each lookup of a rank's trace gives the Path it arrived with, not one parsed again from
-    text: pathlib interns a path's parts, and a name built and dropped per rank at every check's
-    lookup grew the interpreter's table of interned strings (1.9 MB at 1,024 ranks; store.Arrivals.path)."""
-    run = load_run([FIXTURES / "cpu_straggler_2rank"], reduce=reduce_rank)
+def test_a_ranks_path_is_its_directory_and_the_name_it_arrived_with():
+    """Each lookup of a rank's trace gives its file's Path, made of one Path for the directory
+    and the name the arriving Path brought, the same text object at every lookup, not one parsed
+    again: pathlib interns a path's parts, and a name built and dropped per rank at every check's
+    lookup grew the interpreter's table of interned strings (1.9 MB at 1,024 ranks;
+    store.Arrivals.path). The timeline's file name is that name too."""
+    d = FIXTURES / "cpu_straggler_2rank"
+    run = load_run([d], reduce=reduce_rank)
     assert isinstance(run.traces, ByRank)
+    names = {}
     for r in run.ranks:
         p = run.traces[r].path
-        assert isinstance(p, Path) and p.name.startswith("rank") and run.traces[r].path is p
+        assert isinstance(p, Path) and p.parent == d and p.name.startswith("rank") and p.exists()
+        assert run.traces[r].path.name is p.name and run.timelines[r].file is p.name
+        names[r] = p.name
+    assert len(set(names.values())) == len(run.ranks)
 
 
 def test_an_outcome_travels_from_where_it_was_read_and_a_kept_rank_does_not(monkeypatch):

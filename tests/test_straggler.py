@@ -514,3 +514,35 @@ def test_past_the_per_rank_replays_a_second_late_rank_is_peeled_after_the_first(
     assert c.finding.recoverable_ms == pytest.approx(6.0, abs=0.1)
     # not "late together: 2 ranks": one is twice as late as the other
     assert "(late by different amounts: rank 10 most, then rank 50)" in c.reason
+
+
+def test_the_matched_table_lies_on_disk_once_the_context_is_built_and_reads_back_whole():
+    """After the context's build its readers take a few columns of the matched table from disk
+    (Matched.on_disk, #20): each read a fresh copy equal, column by column and dtype, to the table
+    the matching and the late-group step left; a column it lacks is left out, not an error."""
+    import pandas as pd
+
+    from diagnose.analyzers import reduce_rank
+    from diagnose.context import build_context
+    from diagnose.ingest.assemble import load_run
+    from diagnose.ingest.spill import Spill, SpilledMap
+    from diagnose.step.collectives import match_collectives, wait_for_group
+    from tests.conftest import SHARED
+
+    run = load_run([SHARED / "param_dlrm_8rank_v100"], reduce=reduce_rank)
+    ctx = build_context(run, {})
+    assert isinstance(ctx.matched.per_rank, SpilledMap)
+    held = wait_for_group(match_collectives(run), ctx.late_together).per_rank
+    assert len(held) == 8 * len(ctx.matched.per_collective) and len(held.columns) >= 12
+    whole = ctx.matched.frame()
+    pd.testing.assert_frame_equal(whole, held, check_exact=True)
+    assert whole["arrival"] is not ctx.matched.frame()["arrival"]
+    some = ctx.matched.frame(["lateness", "no_such_column", "rank"])
+    assert list(some.columns) == ["lateness", "rank"]
+    pd.testing.assert_frame_equal(some, held[["lateness", "rank"]], check_exact=True)
+    # where the disk is not to be had, the columns stay in memory: the same reads
+    broken = Spill()
+    broken._broken = True
+    in_memory = wait_for_group(match_collectives(run), ctx.late_together).on_disk(broken)
+    assert isinstance(in_memory.per_rank, dict)
+    pd.testing.assert_frame_equal(in_memory.frame(), held, check_exact=True)

@@ -228,9 +228,9 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
         [int(last_share.idxmax())]
     chance = 1.0 / max(float(pc["n_ranks"].median()), 2.0)
     p_last = binom_sf(int(pc["last_rank"].isin(named).sum()), n, min(1.0, chance * len(named)))
-    pr = ctx.matched.per_rank
     single = len(named) == 1
     key = ["step", "pg", "seq"]
+    pr = ctx.matched.frame(key + ["rank", "arrival"]) if single else None
     p_late = mean_positive_p(_excess(pr, key, named[0])) if single else 1.0
     p_step = mean_positive_p(_excess(pr, key, named[0], per_step=True)) if single else 1.0
     p_value, units, agree = min(p_last, p_late, p_step), n, None
@@ -266,7 +266,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         return [not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: lateness needs at least two ranks")]
     effect = effects(ctx)
     step_ms = ctx.mean_step_ms
-    pc, pr = ctx.matched.per_collective, ctx.matched.per_rank
+    pc, pr = ctx.matched.per_collective, ctx.matched.frame(["rank", "lateness", "row"])
     lateness_ms = pr.groupby("rank")["lateness"].mean() / 1000 if not pr.empty else pd.Series(dtype=float)
     by_effect, group, then = _name(ctx, th, effect, lateness_ms, step_ms)
     late = late_rank(ctx, th, by_effect)

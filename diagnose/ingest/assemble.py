@@ -218,6 +218,8 @@ class Keep:
 
     texts: dict[str, str] = field(default_factory=dict)
     values: dict[str, object] = field(default_factory=dict)
+    last_meta: dict | None = None
+    """The last rank's metadata as kept (_meta)."""
     spill: Spill = field(default_factory=Spill)
     labels: dict[tuple, pd.Index] = field(default_factory=dict)
     rows: Arrivals = field(init=False)
@@ -250,7 +252,7 @@ class Keep:
                                                lanes=self.spill.put(cover.lanes),
                                                drawing=self.spill.put(cover.drawing)) if cover else None)
         if x.trace is not None:
-            x.trace.meta = {self._text(k): self._value(v, nested=True) for k, v in x.trace.meta.items()}
+            x.trace.meta = self._meta(kept_meta(x.trace.meta) if x.reduced else x.trace.meta)
             x.trace.rank_source = self._text(x.trace.rank_source)
             x.trace.thread_names = self._value(x.trace.thread_names)  # {} after a reduction
             if x.reduced:
@@ -267,10 +269,27 @@ class Keep:
     def _text(self, s: str) -> str:
         return self.texts.setdefault(s, s)
 
+    def _meta(self, meta: dict) -> dict:
+        """The file's metadata, each value the first equal copy seen; the previous rank's dict
+        itself where every value is the same object (ranks arrive in order: a host's ranks share
+        theirs), a dict of its own otherwise (a value that differs by rank, a time base)."""
+        m = {self._text(k): self._value(v, nested=True) for k, v in meta.items()}
+        last = self.last_meta
+        if last is not None and last.keys() == m.keys() and all(last[k] is v for k, v in m.items()):
+            return last
+        self.last_meta = m
+        return m
+
     def _value(self, v: object, nested: bool = False) -> object:
         """The first equal copy seen of a value read, never written, after loading (metadata, thread
-        names). `nested`: a dict no rank had before (distributedInfo differs by the rank it holds)
-        is one of its own, its keys and values shared the same way (~0.4 KB a rank of copies)."""
+        names); a number as it is and a text as _text keeps it (an entry here would cost more than
+        the value). `nested`: a dict no rank had before (distributedInfo differs by the rank it
+        holds where the metadata is kept whole) is one of its own, its keys and values shared the
+        same way (~0.4 KB a rank of copies)."""
+        if v is None or isinstance(v, (bool, int, float)):
+            return v
+        if isinstance(v, str):
+            return self._text(v)
         key = json.dumps(v, sort_keys=True, default=str)
         if key not in self.values:
             if nested and isinstance(v, dict):
@@ -285,6 +304,25 @@ class Keep:
             names = [self.texts.setdefault(v, v) if isinstance(v, str) else v for v in ev["name"]]
             return cited_frame(ev.assign(name=pd.Series(names, index=ev.index, dtype=object)))
         return ev
+
+
+META_READ = ("deviceProperties", "distributedInfo", "host_name", "baseTimeNanoseconds")
+"""The file metadata's keys read once the checks' per-rank reductions have run: the devices'
+names (the run's facts, launch overhead, host syncs), the run's world size, backend and process
+groups, the host and time base (the clock alignment, one run's profiles overlapping). The rest
+(the trace's own name, schema version, each tool's additions) is read by nothing after loading."""
+
+
+def kept_meta(meta: dict) -> dict:
+    """What a reduced rank keeps of its file's metadata (META_READ); distributedInfo without the
+    rank, read at loading into the trace's own `rank` (load._rank): with it every rank's copy
+    differed and each was held apart, ~0.8 KB a rank with the trace's name (#20: the client's
+    memory per rank)."""
+    out = {k: meta[k] for k in META_READ if k in meta}
+    info = out.get("distributedInfo")
+    if isinstance(info, dict) and "rank" in info:
+        out["distributedInfo"] = {k: v for k, v in info.items() if k != "rank"}
+    return out
 
 
 def load_one(args: tuple[str, int, Reduce | None]) -> Loaded:

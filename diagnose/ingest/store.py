@@ -33,13 +33,14 @@ from diagnose.step.timeline import RankTimeline, Steps
 
 _HANDLES = ("events", "collectives", "exposed", "lanes", "drawing", "idle")
 """What lies on disk for each rank (idle: GPU ranks only): (offset, size) columns."""
-_NUMBERS = {"rank": "q", "flows": "q", "dropped": "q", "bytes_read": "q", "span0": "d", "span1": "d",
-            "n_comm": "q", "n_dl": "q", "facts_at": "q"}
+_NUMBERS = {"parent": "q", "rank": "q", "flows": "q", "dropped": "q", "bytes_read": "q", "span0": "d",
+            "span1": "d", "n_comm": "q", "n_dl": "q", "facts_at": "q"}
 _FLAGS = ("has_rank", "salvaged", "hip", "has_span", "is_gpu", "device_timed", "has_facts")
-_REFS = ("path", "rank_source", "meta", "thread_names", "trace_warnings", "file", "step_source",
+_REFS = ("name", "rank_source", "meta", "thread_names", "trace_warnings", "file", "step_source",
          "warnings", "facts_keys")
 """Per rank, a reference to an object most ranks share (metadata, texts) or its own short text
-(its Path: `Arrivals.path`)."""
+(its file's name: `Arrivals.path`); None for an empty list of the trace's warnings (56 bytes of
+its own) and for the timeline's file name where it is the trace's."""
 
 
 class Arrivals:
@@ -50,6 +51,8 @@ class Arrivals:
         self._spill = spill
         self._n = 0
         self._refs: dict[str, list[Any]] = {k: [] for k in _REFS}
+        self._dirs: list[Path] = []  # each file's directory, once: `parent` is its position
+        self._dir_at: dict[Path, int] = {}
         self._cols: dict[str, Any] = {k: array(c) for k, c in _NUMBERS.items()}
         self._cols.update({k: array("b") for k in _FLAGS})
         for h in _HANDLES:
@@ -85,14 +88,19 @@ class Arrivals:
             return None
         c, cols, refs = tl.cover, self._cols, self._refs
         assert c is not None
-        for k, v in (("path", trace.path), ("rank_source", trace.rank_source), ("meta", trace.meta),
+        path = trace.path
+        for k, v in (("name", path.name), ("rank_source", trace.rank_source), ("meta", trace.meta),
                      ("thread_names", trace.thread_names), ("trace_warnings", trace.warnings or None),
-                     ("file", tl.file), ("step_source", tl.step_source), ("warnings", tl.warnings)):
-            refs[k].append(v)  # an empty list is 56 bytes of its own: None stands for it
+                     ("file", None if tl.file == path.name else tl.file), ("step_source", tl.step_source),
+                     ("warnings", tl.warnings)):
+            refs[k].append(v)
+        parent = self._dir_at.setdefault(path.parent, len(self._dirs))
+        if parent == len(self._dirs):
+            self._dirs.append(path.parent)
         span = trace.span_us or (0.0, 0.0)
-        for k, v in (("rank", trace.rank if trace.rank is not None else -1), ("flows", trace.flows),
-                     ("dropped", trace.dropped), ("bytes_read", trace.bytes_read), ("span0", span[0]),
-                     ("span1", span[1]), ("n_comm", c.n_comm), ("n_dl", c.n_dataloader)):
+        for k, v in (("parent", parent), ("rank", trace.rank if trace.rank is not None else -1),
+                     ("flows", trace.flows), ("dropped", trace.dropped), ("bytes_read", trace.bytes_read),
+                     ("span0", span[0]), ("span1", span[1]), ("n_comm", c.n_comm), ("n_dl", c.n_dataloader)):
             cols[k].append(v)
         for k, v in (("has_rank", trace.rank is not None), ("salvaged", trace.salvaged), ("hip", trace.hip),
                      ("has_span", trace.span_us is not None), ("is_gpu", tl.is_gpu),
@@ -138,13 +146,14 @@ class Arrivals:
         return Spilled(self._spill, at, int(self._cols[h + "_size"][i])) if at >= 0 else None
 
     def path(self, i: int) -> Path:
-        """The Path as it arrived, not one built again from text at each lookup: pathlib interns
-        a path's parts, so a file name built and dropped for each of the 1,024 ranks at each of
-        the checks' lookups used up the interpreter's table of interned strings, which then grew
-        to twice its size (1.9 MB; +1.9 MB of resident memory in the check where it happened at 1,024
-        ranks, +0.3 with the Path held; #20).
-        Held, each name is interned once."""
-        return self._refs["path"][i]
+        """Its file's directory (one Path for all the files in it) joined to its name, the name
+        the Path brought: held whole, a rank's Path was ~0.2 KB of objects (its parts' list, its
+        text; #20). The name is the interned text pathlib made of the arriving path, and it is
+        held: a name built again from text at each lookup was interned anew each time, and the
+        1,024 ranks' names made and dropped at each of the checks' lookups used up the
+        interpreter's table of interned strings, which then grew to twice its size (+1.9 MB of
+        resident memory in the check where it happened)."""
+        return self._dirs[int(self._cols["parent"][i])] / self._refs["name"][i]
 
     def trace(self, i: int, rank: int | None = None) -> RankTrace:
         """Rank i's trace (`rank`: the one the run assigned it, where it differs from the file's)."""
@@ -167,7 +176,9 @@ class Arrivals:
         cover = RankCover(per_step=c["per_step"][a:b], n_comm=int(c["n_comm"][i]), n_dataloader=int(c["n_dl"][i]),
                           exposed=self._handle("exposed", i), lanes=self._handle("lanes", i),
                           drawing=self._handle("drawing", i))
-        return RankTimeline(rank=int(c["rank"][i]) if c["has_rank"][i] else 0, file=refs["file"][i],
+        file = refs["file"][i]
+        return RankTimeline(rank=int(c["rank"][i]) if c["has_rank"][i] else 0,
+                            file=file if file is not None else refs["name"][i],
                             is_gpu=bool(c["is_gpu"][i]), step_source=refs["step_source"][i],
                             steps=Steps(step=c["step"][a:b], start=c["start"][a:b], end=c["end"][a:b]),
                             compute=None, comm=None, dataloader=None, host_busy=None,

@@ -25,6 +25,7 @@ messages", not "slow link".
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ import pandas as pd
 
 from diagnose.ingest.assemble import Run
 from diagnose.step.breakdown import exposed_comm, waits_by_rank
-from diagnose.step.collectives import KEY, Matched, collectives_table, rows_by_value
+from diagnose.step.collectives import KEY, Matched, RowsByValue, collectives_table
 from diagnose.step.intervals import covered, intersect, union
 
 SMALL_MESSAGE_BYTES = 1024**2
@@ -120,26 +121,27 @@ def comm_table(run: Run, matched: Matched) -> tuple[GroupComm, ...]:
     # groupby itself sorts a copy of the whole table first (+1.0 MB at 1,024 DLRM ranks, the
     # client's Python peak then; #20)
     groups = allc.groupby(["pg", "kind"], sort=True).indices
+    pr = matched.frame(KEY + ["rank", "latest", "end"])  # once for every group (on disk: Matched.on_disk)
     for pg, kind in sorted(groups):
         g = allc.take(groups[(pg, kind)])
         n = sizes.get(str(pg), world)
         rows.append(GroupComm(group=str(pg), kind=str(kind), ranks=int(n), count=len(g),
                               exposed_ms_per_step=exposed.get((str(pg), str(kind)), 0.0),
-                              **_bandwidth(g, str(kind), n, matched)))
+                              **_bandwidth(g, str(kind), n, pr)))
     if OUTSIDE in exposed:
         rows.append(GroupComm(group=OUTSIDE[0], kind=OUTSIDE[1], ranks=world, count=0,
                               exposed_ms_per_step=exposed[OUTSIDE]))
     return tuple(sorted(rows, key=lambda x: -x.exposed_ms_per_step))
 
 
-def _bandwidth(g: pd.DataFrame, kind: str, n: int, matched: Matched) -> dict:
-    """The size and speed fields of one group's collectives of known size ({} when none)."""
+def _bandwidth(g: pd.DataFrame, kind: str, n: int, pr: pd.DataFrame) -> dict:
+    """The size and speed fields of one group's collectives of known size ({} when none); `pr`,
+    the matched rows' KEY, rank, latest and end (Matched.frame)."""
     g = g[g["bytes"].to_numpy(dtype=float) > 0]
     if g.empty:
         return {}
     transfer = (g["end"] - g["arrival"]).to_numpy(dtype=float, copy=True)
     is_matched = np.zeros(len(g), dtype=bool)
-    pr = matched.per_rank
     if len(pr) and "latest" in pr:
         # aligned clocks there: the transfer runs from the last arrival to this rank's end
         m = g[KEY + ["rank"]].reset_index(drop=True).reset_index().merge(
@@ -170,20 +172,33 @@ OUTSIDE = ("", "outside collectives (point-to-point, DDP bucket work)")
 def exposed_by_group(run: Run, matched: Matched) -> dict[tuple[str, str], float]:
     """(process group, kind) -> exposed communication ms per step, the median over ranks of
     exposed_per_rank (a row's median rank, so the rows need not sum to the median rank's total)."""
-    per_rank = exposed_per_rank(run, matched)
-    keys = sorted({k for m in per_rank.values() for k in m})
-    return {k: float(np.median([m.get(k, 0.0) for m in per_rank.values()])) for k in keys}
+    # a column of every rank's ms a row, filled one rank at a time: not a dict a rank held for
+    # them all at once (~0.3 KB a rank at the communication table's height, #20)
+    ranks = [r for r in run.ranks if len(run.timelines[r].steps)]
+    cols: dict[tuple[str, str], np.ndarray] = {}
+    for i, (_, mine) in enumerate(_exposed_each(run, matched)):
+        for k, v in mine.items():
+            if k not in cols:
+                cols[k] = np.zeros(len(ranks))
+            cols[k][i] = v
+    return {k: float(np.median(cols[k])) for k in sorted(cols)}
 
 
 def exposed_per_rank(run: Run, matched: Matched) -> dict[int, dict[tuple[str, str], float]]:
-    """rank -> (process group, kind) -> exposed communication ms per step.
+    """rank -> (process group, kind) -> exposed communication ms per step (_exposed_each, every
+    rank's at once)."""
+    return dict(_exposed_each(run, matched))
+
+
+def _exposed_each(run: Run, matched: Matched) -> Iterator[tuple[int, dict[tuple[str, str], float]]]:
+    """(rank, (process group, kind) -> exposed communication ms per step), rank after rank, for
+    the ranks with a step.
 
     Per rank, the time the breakdown books as exposed_comm (step/breakdown.py exposed_comm)
     inside the profiled steps, given to the collective running then; where two overlap, to the
     one that started first (what the later one waited behind). Exposure outside every collective
     (on CPU ranks DDP's bucket copies, gloo's point-to-point transfers) is the row OUTSIDE, so a
     rank's rows sum to its exposed_comm_ms."""
-    per_rank: dict[int, dict[tuple[str, str], float]] = {}
     waits = waits_by_rank(run, matched)
     # every rank's collectives in one table, named once (per-rank frames were 1.1 s at 1,024 ranks)
     allc = collectives_table(run, ("rank", "pg", "name", "arrival", "end"), aligned=False)
@@ -191,7 +206,7 @@ def exposed_per_rank(run: Run, matched: Matched) -> dict[int, dict[tuple[str, st
     c_rank, c_pg = allc["rank"].to_numpy(), allc["pg"].astype(str).to_numpy()
     c_kind = np.array([kinds[n] for n in allc["name"].astype(str)], dtype=object)
     c_start, c_end = allc["arrival"].to_numpy(dtype=float), allc["end"].to_numpy(dtype=float)
-    rows_of = rows_by_value(c_rank, run.ranks)
+    rows_of = RowsByValue(c_rank)
     for r in run.ranks:
         tl = run.timelines[r]
         n = len(tl.steps)
@@ -212,5 +227,4 @@ def exposed_per_rank(run: Run, matched: Matched) -> dict[int, dict[tuple[str, st
         rest = float(covered(exposed, lo_s, hi_s).sum() - us.sum()) / 1000 / n
         if rest > 1e-6:
             mine[OUTSIDE] = rest
-        per_rank[r] = mine
-    return per_rank
+        yield r, mine

@@ -8,12 +8,14 @@ has arrived and the transfer is done, so a rank's wait is (last arrival - own ar
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import Run
+from diagnose.ingest.spill import Spill
 from diagnose.step.timeline import COLLECTIVE_COLUMNS, gather_collectives
 
 KEY = ["step", "pg", "seq"]
@@ -21,16 +23,37 @@ KEY = ["step", "pg", "seq"]
 
 @dataclass(frozen=True, slots=True)
 class Matched:
-    per_rank: pd.DataFrame
+    per_rank: pd.DataFrame | Mapping[str, pd.Series]
     """One row per (collective, rank): KEY, rank, name, arrival, end (aligned us), dur,
     bytes, row, latest, second (second-latest arrival), tail_wait (us spent waiting for the
     last rank alone), lateness (us vs the median arrival). Nothing else: a column is 8 bytes a
-    row, 0.2 MB at 1,024 DLRM ranks (#20)."""
+    row, 0.2 MB at 1,024 DLRM ranks (#20). Once the context is built, its columns on disk
+    (`on_disk`): read it with `frame`."""
     per_collective: pd.DataFrame
     """One row per collective present on >= 2 ranks: KEY, n_ranks, last_rank, latest,
     gap (latest minus second-latest arrival, us), names_agree."""
     match_ratio: float
     """Share of all collective rows that found a partner on another rank."""
+
+    def frame(self, columns: Sequence[str] | None = None) -> pd.DataFrame:
+        """per_rank's named columns that it has (every one by default), each read back where it
+        lies on disk: a fresh copy a call, dropped by the reader when done."""
+        pr = self.per_rank
+        names = list(pr) if columns is None else [c for c in columns if c in pr]
+        if isinstance(pr, pd.DataFrame):
+            return pr if columns is None else pr[names]
+        return pd.DataFrame({c: pr[c] for c in names})
+
+    def on_disk(self, spill: Spill) -> Matched:
+        """The same, per_rank's columns in `spill`, each read back alone (in memory where the disk
+        is not to be had). Why: held from the matching to the last extra, through every check, most
+        of which never read it, the table was 0.9 MB at 1,024 replicated DLRM ranks (14 columns of
+        8 rows a rank); its readers take the three to eight columns they use (#20)."""
+        pr = self.per_rank
+        if not isinstance(pr, pd.DataFrame) or pr.empty:
+            return self
+        cols = spill.put_map({c: pr[c].reset_index(drop=True) for c in pr.columns})
+        return Matched(cols, self.per_collective, self.match_ratio)
 
 
 def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + ("rank", "dur"), *,
@@ -53,13 +76,23 @@ def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + 
                          for c in columns})
 
 
-def rows_by_value(values: np.ndarray, keys: list[int]) -> dict[int, np.ndarray]:
-    """key -> the ascending positions where `values` equals it (empty where none)."""
-    order = np.argsort(values, kind="stable")
-    v = values[order]
-    lo = np.searchsorted(v, keys, side="left")
-    hi = np.searchsorted(v, keys, side="right")
-    return {k: order[a:b] for k, a, b in zip(keys, lo, hi)}
+class RowsByValue:
+    """key -> the ascending positions where `values` equals it (empty where none), each made when
+    looked up from one sort: not a dict of a view per key, ~0.15 KB a rank held by each reader
+    (the graph's build holds two) at 1,024 ranks (#20)."""
+
+    __slots__ = ("_order", "_keys", "_lo", "_hi")
+
+    def __init__(self, values: np.ndarray) -> None:
+        self._order = np.argsort(values, kind="stable")
+        self._keys, self._lo = np.unique(values[self._order], return_index=True)
+        self._hi = np.append(self._lo[1:], self._order.size)
+
+    def __getitem__(self, key: int) -> np.ndarray:
+        i = int(np.searchsorted(self._keys, key))
+        if i == self._keys.size or self._keys[i] != key:
+            return self._order[:0]
+        return self._order[self._lo[i]:self._hi[i]]
 
 
 def match_collectives(run: Run) -> Matched:
@@ -129,7 +162,7 @@ def wait_for_group(matched: Matched, group: tuple[int, ...]) -> Matched:
     """The same, each other rank's tail_wait the time it waits for the group alone (_tail_waits);
     the group's members keep their wait for the last rank alone. With under two ranks in the
     group nothing changes (the wait for the last rank alone is already what fixing one saves)."""
-    pr = matched.per_rank
+    pr = matched.frame()
     if len(group) < 2 or pr.empty:
         return matched
     return Matched(pr.assign(tail_wait=_tail_waits(pr, group)), matched.per_collective, matched.match_ratio)
@@ -137,7 +170,7 @@ def wait_for_group(matched: Matched, group: tuple[int, ...]) -> Matched:
 
 def group_wait_ms(matched: Matched, group: tuple[int, ...]) -> float:
     """Median over the other ranks of their mean per-step wait for `group` alone (ms, _tail_waits)."""
-    pr = matched.per_rank
+    pr = matched.frame(KEY + ["rank", "arrival", "end", "latest", "second", "tail_wait"])
     if pr.empty or not group:
         return 0.0
     rest = pr.assign(tail_wait=_tail_waits(pr, group))[~pr["rank"].isin(group)]

@@ -50,7 +50,7 @@ import pandas as pd
 from diagnose.ingest.assemble import Run
 from diagnose.ingest.spill import Spill, array_stretch
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
-from diagnose.step.collectives import collectives_table, rows_by_value
+from diagnose.step.collectives import RowsByValue, collectives_table
 from diagnose.step.cover import LANE_SETS
 from diagnose.step.intervals import Intervals, covered, intersect, union
 from diagnose.step.parts import LaneParts, LanePartsBuilder, PartsOnDisk
@@ -119,6 +119,10 @@ class StepGraph:
         """Nodes [lo, hi) of a node column (GraphOnDisk reads only those)."""
         return getattr(self, name)[lo:hi]
 
+    def anchor_segments(self) -> np.ndarray:
+        """_anchor_segments of this graph (GraphOnDisk keeps it, found once)."""
+        return _anchor_segments(self)
+
 
 NODE_COLUMNS = ("rank", "kind", "time", "step", "seg", "lane_prev", "group", "transfer", "order_prev",
                 "resume_of", "lag", "after_arrival")
@@ -140,6 +144,9 @@ class GraphOnDisk:
 
     def __init__(self, g: StepGraph, spill: Spill) -> None:
         self._cols = {k: spill.put_array(getattr(g, k)) for k in NODE_COLUMNS}
+        # found once here, where the graph's columns are in memory: found at each straggler edit
+        # from columns read back, it set the replays' height at 1,024 ranks (0.76 MB; #20)
+        self._cols["anchor_seg"] = spill.put_array(_anchor_segments(g))
         self.lane_parts = PartsOnDisk(g.lane_parts, spill)
         self.n_groups, self.group_key, self.step_nodes, self.n_nodes = g.n_groups, g.group_key, g.step_nodes, g.n_nodes
 
@@ -152,6 +159,9 @@ class GraphOnDisk:
     @property
     def ranks(self) -> list[int]:
         return np.unique(self.rank).tolist()
+
+    def anchor_segments(self) -> np.ndarray:
+        return self.column("anchor_seg")
 
 
 for _name in NODE_COLUMNS:  # each node column a property reading it back (GraphOnDisk.column)
@@ -245,7 +255,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         cols["seg"].append(-1 if seg is None else seg_codes.setdefault(seg, len(seg_codes)))
 
     blocked_by_rank, comm_wait = _Stretches(), _Stretches()  # read again once the nodes are sorted
-    rows_of = rows_by_value(c_rank, run.ranks)  # each rank's collective rows, found once (not a scan per rank)
+    rows_of = RowsByValue(c_rank)  # each rank's collective rows, found once (not a scan per rank)
     for r in run.ranks:
         tl = run.timelines[r]
         off = run.clock_offsets_us.get(r, 0.0)
@@ -333,7 +343,7 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
     lane_prev = np.full(n, -1, dtype=np.int32)
     lane_parts = LanePartsBuilder(n, len(PARTS))
     order_prev = np.full(n, -1, dtype=np.int32)
-    nodes_of = rows_by_value(rank, run.ranks)  # in time order within each rank
+    nodes_of = RowsByValue(rank)  # in time order within each rank
     for r in run.ranks:
         mine = nodes_of[r]
         lane = mine[kind[mine] != COLL_END]
@@ -508,7 +518,7 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     w = g.lane_parts.total.copy() if w is None else w.copy()
     # the lane nodes that lead to an anchor, by position: every array below is theirs, not the
     # graph's (arrays the graph's length set the replay's height at 1,024 ranks, #20)
-    seg = _anchor_segments(g)
+    seg = g.anchor_segments()
     at_h = np.flatnonzero((g.lane_prev >= 0) & (seg >= 0)).astype(np.int32)
     rank = g.rank
     span = int(rank.max()) + 1 if rank.size else 1
