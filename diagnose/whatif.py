@@ -114,7 +114,7 @@ class StepModel:
     """The step graph with its unedited replay: the one model every what-if edits."""
 
     graph: sg.StepGraph | sg.GraphOnDisk
-    base: sg.Replay
+    base: sg.Replay | sg.ReplayOnDisk
     fidelity: float
     """Largest relative error of the unedited replay against the measured steps."""
     steps: int
@@ -161,11 +161,12 @@ class StepModel:
 
 
 def step_model(g: sg.StepGraph) -> StepModel:
-    """The model of `g`, its graph held on disk from here (step/graph.GraphOnDisk: why; in memory
-    where no temporary file can be made)."""
+    """The model of `g`, its graph and its unedited replay's node arrays held on disk from here
+    (step/graph.GraphOnDisk, ReplayOnDisk: why; in memory where no temporary file can be made)."""
     base = sg.replay(g)
-    return StepModel(graph=sg.GraphOnDisk(g, Spill()), base=base, fidelity=sg.fidelity(g, base),
-                     steps=len(set(g.step[g.kind == sg.STEP_END].tolist())))
+    spill = Spill()
+    return StepModel(graph=sg.GraphOnDisk(g, spill), base=sg.ReplayOnDisk(base, spill),
+                     fidelity=sg.fidelity(g, base), steps=len(set(g.step[g.kind == sg.STEP_END].tolist())))
 
 
 @dataclass(frozen=True, slots=True)

@@ -315,8 +315,10 @@ def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
     model = step_model(g)
     assert isinstance(model.graph, sg.GraphOnDisk)
     mem = StepModel(graph=g, base=sg.replay(g), fidelity=model.fidelity, steps=model.steps)  # in memory
-    for a, b in ((sg.replay(g), sg.replay(disk)), (mem.base, model.base)):
+    assert isinstance(model.base, sg.ReplayOnDisk) and model.base.mean_step_ms == mem.base.mean_step_ms
+    for a, b in ((sg.replay(g), sg.replay(disk)), (mem.base, model.base.loaded())):
         assert np.array_equal(a.time, b.time) and np.array_equal(a.via, b.via)
+        assert np.array_equal(a.via_cat, b.via_cat) and np.array_equal(a.step_ms, b.step_ms)
     for cause in list(EDITS) + ["best_transfer"]:
         assert mem.saving(cause) == model.saving(cause), cause
     every = {c: (tuple(g.ranks[:1]) if c == "straggler" else ()) for c in EDITS}  # chained edits

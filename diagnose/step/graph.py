@@ -138,7 +138,8 @@ class GraphOnDisk:
     Why (#20, the client's memory per rank): the step model's graph was held from its build to the
     last replay, through every check and extra, most of them never reading it: 2.0 MB at 1,024
     replicated DLRM ranks (25,728 nodes), the largest piece of the client's model of the run. The
-    unedited replay stays in memory (StepModel.base: each what-if is measured against it)."""
+    unedited replay's step durations stay in memory (StepModel.base, ReplayOnDisk: each what-if is
+    measured against their mean)."""
 
     __slots__ = ("_cols", "lane_parts", "n_groups", "group_key", "step_nodes", "n_nodes")
 
@@ -182,6 +183,31 @@ class Replay:
     @property
     def mean_step_ms(self) -> float:
         return float(np.mean(self.step_ms)) if self.step_ms.size else 0.0
+
+    def loaded(self) -> Replay:
+        return self
+
+
+class ReplayOnDisk:
+    """A Replay whose node arrays (time, via, via_cat) lie in a spill, read back whole by `loaded`
+    (the critical path's readers, once a call); its step durations stay in memory (every what-if
+    is measured against their mean). Why (#20): the step model's unedited replay was held from
+    its build to the last extra, 13 bytes a node (0.34 MB at 1,024 replicated DLRM ranks), and
+    only the critical path reads its nodes."""
+
+    __slots__ = ("_cols", "step_ms")
+
+    def __init__(self, rep: Replay, spill: Spill) -> None:
+        self._cols = {k: spill.put_array(getattr(rep, k)) for k in ("time", "via", "via_cat")}
+        self.step_ms = rep.step_ms
+
+    @property
+    def mean_step_ms(self) -> float:
+        return float(np.mean(self.step_ms)) if self.step_ms.size else 0.0
+
+    def loaded(self) -> Replay:
+        time, via, via_cat = (array_stretch(self._cols[k]) for k in ("time", "via", "via_cat"))
+        return Replay(time=time, via=via, via_cat=via_cat, step_ms=self.step_ms)
 
 
 def _shift(iv: Intervals, off: float) -> Intervals:
@@ -628,9 +654,10 @@ def _chain(g: StepGraph, rep: Replay, s: int):
     return floor, out
 
 
-def critical_segments(g: StepGraph, rep: Replay, s: int) -> list[tuple[float, float, int, str]]:
+def critical_segments(g: StepGraph, rep: Replay | ReplayOnDisk, s: int) -> list[tuple[float, float, int, str]]:
     """Step s's critical path as drawn over the timeline: (start us, end us, rank, what) per edge,
     in time order; `what` is a lane's largest part or "communication"."""
+    rep = rep.loaded()
     floor, chain = _chain(g, rep, s)
     if not chain:
         return []
@@ -647,7 +674,8 @@ def critical_segments(g: StepGraph, rep: Replay, s: int) -> list[tuple[float, fl
     return out[::-1]
 
 
-def critical_path(g: StepGraph, rep: Replay) -> CriticalPath:
+def critical_path(g: StepGraph, rep: Replay | ReplayOnDisk) -> CriticalPath:
+    rep = rep.loaded()
     by_part = np.zeros(len(PARTS) + 1)
     by_rank: dict[int, float] = {}
     steps = sorted(set(g.step[g.kind == STEP_END].tolist()))
