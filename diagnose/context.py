@@ -167,7 +167,10 @@ def late_peers(run: Run, matched: Matched, model: StepModel | None,
 
 
 def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thresholds = DEFAULT) -> Context:
-    matched = match_collectives(run)
+    spill = Spill()
+    # on disk from here, read a few columns at a time (Matched.on_disk: why), the graph's build and
+    # the replays' too: held through them, it was part of the client's height at 1,024 ranks
+    matched = match_collectives(run).on_disk(spill)
     give_back_freed()  # between phases: what each one built and dropped (heap.give_back_freed)
     model, error = None, None
     try:
@@ -178,6 +181,6 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
     groups = late_peers(run, matched, model, th)
     matched = wait_for_group(matched, tuple(r for g in groups for r in g))
     table = breakdown_table(run, matched)
-    matched = matched.on_disk(Spill())  # read a few columns at a time from here (Matched.on_disk: why)
+    matched = matched.on_disk(spill)  # wait_for_group's, where it made one
     return Context(run=run, matched=matched, table=table, probes=probes or {}, model=model,
                    model_error=error, late_groups=groups)

@@ -43,7 +43,7 @@ from diagnose.model import Finding
 from diagnose.step import graph as sg
 from diagnose.thresholds import Thresholds
 
-Edit = Callable[[sg.StepGraph, np.ndarray, np.ndarray, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]
+Edit = Callable[[sg.StepGraph, np.ndarray, np.ndarray | None, tuple[int, ...]], tuple[np.ndarray, np.ndarray | None]]
 
 FIDELITY_OK = 0.05
 """The unedited replay must reproduce every measured step within this share for its what-ifs to
@@ -85,6 +85,8 @@ EDITS: dict[str, Edit] = {
     "host_sync": _parts({"idle_sync": 1.0}),
     "reduce_dtype": _reduce_bf16,
 }
+KEEP_TRANSFERS = frozenset({"dataloader_starvation", "input_stall", "straggler", "launch_overhead", "host_sync"})
+"""Edits that change lane weights alone: they pass the transfers through as given (None too)."""
 # causes whose edit applies only where their check finds them: no cost of their own otherwise
 ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype"})
 # what-ifs given as metrics only
@@ -127,17 +129,20 @@ class StepModel:
         return self.fidelity <= FIDELITY_OK
 
     def edit(self, cause: str, ranks: tuple[int, ...] = (), w: np.ndarray | None = None,
-             tr: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
-        """Weights with the cause removed (on top of w, tr); None when this run cannot express it."""
+             tr: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Weights with the cause removed (on top of w, tr; tr None: the graph's transfers, and so
+        in what it returns); None when this run cannot express it."""
         fn = EXTRA_EDITS.get(cause) or EDITS.get(cause)
         if fn is None or (cause == "best_transfer" and self.steps < MIN_STEPS_FOR_BEST):
             return None
-        # the graph's weights read (from disk: GraphOnDisk) only where none are given: held beside
-        # a chained edit's, they were 0.4 MB of the replays' height at 1,024 ranks (#20)
+        # the graph's weights read (from disk: GraphOnDisk) only where none are given, its
+        # transfers only for an edit that changes them (tr None: the graph's, unchanged): held
+        # beside an edit's own, they were 0.4 MB of the replays' height at 1,024 ranks (#20)
         w0 = self.graph.lane_parts.total if w is None else w
-        tr0 = self.graph.transfer if tr is None else tr
+        tr0 = self.graph.transfer if tr is None and cause not in KEEP_TRANSFERS else tr
         w1, tr1 = fn(self.graph, w0, tr0, tuple(ranks))
-        if w is None and np.array_equal(w1, w0) and np.array_equal(tr1, self.graph.transfer if tr is not None else tr0):
+        if w is None and tr is None and np.array_equal(w1, w0) and \
+                (tr1 is None or np.array_equal(tr1, self.graph.transfer)):
             return None  # the graph holds nothing this edit could change
         return w1, tr1
 
@@ -152,7 +157,7 @@ class StepModel:
 
     def without(self, causes: dict[str, tuple[int, ...]]) -> float:
         """Replayed mean step (ms) with all these causes removed together."""
-        w, tr = self.graph.lane_parts.total, self.graph.transfer
+        w, tr = self.graph.lane_parts.total, None
         for cause, ranks in causes.items():
             e = self.edit(cause, ranks, w, tr)
             if e is not None:
@@ -163,10 +168,15 @@ class StepModel:
 def step_model(g: sg.StepGraph) -> StepModel:
     """The model of `g`, its graph and its unedited replay's node arrays held on disk from here
     (step/graph.GraphOnDisk, ReplayOnDisk: why; in memory where no temporary file can be made)."""
-    base = sg.replay(g)
     spill = Spill()
-    return StepModel(graph=sg.GraphOnDisk(g, spill), base=sg.ReplayOnDisk(base, spill),
-                     fidelity=sg.fidelity(g, base), steps=len(set(g.step[g.kind == sg.STEP_END].tolist())))
+    steps = len(set(g.step[g.kind == sg.STEP_END].tolist()))
+    graph = sg.GraphOnDisk(g, spill)
+    # the graph in memory goes before the replay, which reads it back a block at a time: both at
+    # once set the client's height at 1,024 ranks (#20). The caller's reference is ours alone
+    # (step_model(build_graph(run))): the graph is freed here.
+    del g
+    base = sg.replay(graph)
+    return StepModel(graph=graph, base=sg.ReplayOnDisk(base, spill), fidelity=sg.fidelity(graph, base), steps=steps)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,15 +69,19 @@ class Spill:
         themselves (unpacked) where the disk is not to be had."""
         if self._broken or not d:
             return {k: unpacked(v) for k, v in d.items()}
-        blobs = [v.blob if isinstance(v, Packed) else pickle.dumps(v, protocol=PROTOCOL) for v in d.values()]
+        # each value written as it is pickled, one after the other: not every value's bytes and
+        # then their join at once, three copies of a table at its writer's height (#20)
         ends = array("Q")
-        n = 0
-        for b in blobs:
+        at, n = None, 0
+        for v in d.values():
+            b = v.blob if isinstance(v, Packed) else pickle.dumps(v, protocol=PROTOCOL)
+            where = self._append(b)
+            if where is None or (at is not None and where != at + n):
+                return {k: unpacked(v) for k, v in d.items()}
+            at = where if at is None else at
             n += len(b)
             ends.append(n)
-        at = self._append(b"".join(blobs))
-        if at is None:
-            return {k: unpacked(v) for k, v in d.items()}
+            del b
         keys = tuple(d)
         return SpilledMap(self, self._keys.setdefault(keys, keys), at, ends)
 

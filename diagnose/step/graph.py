@@ -541,7 +541,7 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     """Lane weights with each listed rank's work brought down to the median rank's: between two
     anchors every rank has (step bounds, collective arrivals), a rank's lane time above the median
     of the other ranks' (all ranks' when none is left) is scaled down to it."""
-    w = g.lane_parts.total.copy() if w is None else w.copy()
+    w = g.lane_parts.total if w is None else w  # copied at the end, once the sums are done (#20)
     # the lane nodes that lead to an anchor, by position: every array below is theirs, not the
     # graph's (arrays the graph's length set the replay's height at 1,024 ranks, #20)
     seg = g.anchor_segments()
@@ -560,7 +560,7 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     # every listed rank at once (a pass over every node per rank was O(ranks x nodes) for a group)
     mine = per[listed]
     if not len(mine):
-        return w
+        return w.copy()
     factor = np.minimum(1.0, med.reindex(per_seg[listed]).to_numpy() / np.maximum(mine.to_numpy(), 1e-12))
     keys = mine.index.to_numpy()
     del per, per_seg, med, mine, others, listed
@@ -572,6 +572,7 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     at = np.minimum(np.searchsorted(keys, key), keys.size - 1).astype(np.int32)
     del key, keys, sel, rank
     keep = ~np.isnan(factor[at])
+    w = w.copy()
     w[at_h[keep]] *= factor[at[keep]]
     return w
 
