@@ -36,8 +36,9 @@ class Matched:
     """Share of all collective rows that found a partner on another rank."""
 
     def frame(self, columns: Sequence[str] | None = None) -> pd.DataFrame:
-        """per_rank's named columns that it has (every one by default), each read back where it
-        lies on disk: a fresh copy a call, dropped by the reader when done."""
+        """per_rank's named columns that it has (every one by default): each read back where it
+        lies on disk, a fresh copy a call that the reader drops when done; the table itself (or
+        its selection) while it is in memory."""
         pr = self.per_rank
         names = list(pr) if columns is None else [c for c in columns if c in pr]
         if isinstance(pr, pd.DataFrame):
