@@ -315,9 +315,10 @@ groups, the host and time base (the clock alignment, one run's profiles overlapp
 
 def kept_meta(meta: dict) -> dict:
     """What a reduced rank keeps of its file's metadata (META_READ); distributedInfo without the
-    rank, read at loading into the trace's own `rank` (load._rank): with it every rank's copy
-    differed and each was held apart, ~0.8 KB a rank with the trace's name (#20: the client's
-    memory per rank)."""
+    rank, read at loading into the trace's own `rank` (load._rank): with it, and the trace's name,
+    every rank's copy differed and each was held apart (#20: with the Paths held as names,
+    store.Arrivals.path, what the client held after the checks at 1,024 replicated DLRM ranks
+    went 4.01 -> 3.41 MB)."""
     out = {k: meta[k] for k in META_READ if k in meta}
     info = out.get("distributedInfo")
     if isinstance(info, dict) and "rank" in info:
