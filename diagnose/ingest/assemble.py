@@ -97,11 +97,13 @@ class Run:
         return sorted(self.timelines)
 
     def collective_columns(self, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray] | None:
-        """The named columns of `collectives` (every one by default), each read back where it
-        lies on disk (a fresh copy); {} when the run has none."""
-        if self.collectives is None or not len(self.collectives):
-            return None if self.collectives is None else {}
-        return {c: self.collectives[c] for c in (self.collectives if names is None else names)}
+        """The named columns of `collectives` (every one by default), each a fresh copy the caller
+        owns (read back where it lies on disk, copied where it is held); {} when the run has none."""
+        cols = self.collectives
+        if cols is None or not len(cols):
+            return None if cols is None else {}
+        held = not isinstance(cols, SpilledMap)  # no disk to be had: the run's own arrays
+        return {c: cols[c].copy() if held else cols[c] for c in (cols if names is None else names)}
 
     @property
     def missing_ranks(self) -> list[int]:

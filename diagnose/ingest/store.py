@@ -147,9 +147,9 @@ class Arrivals:
 
     def path(self, i: int) -> Path:
         """Its file's directory (one Path for all the files in it) joined to its name, the name
-        the Path brought: held whole, a rank's Path was ~0.2 KB of objects (its parts' list, its
-        text; #20). The name is the interned text pathlib made of the arriving path, and it is
-        held: a name built again from text at each lookup was interned anew each time, and the
+        the arriving Path gave: held whole, a rank's Path was ~0.2 KB of objects (its parts' list,
+        its text; #20). The name is held, not the path's text: pathlib (to Python 3.11) interns a
+        path's parts, and a name parsed from text at each lookup was interned anew each time; the
         1,024 ranks' names made and dropped at each of the checks' lookups used up the
         interpreter's table of interned strings, which then grew to twice its size (+1.9 MB of
         resident memory in the check where it happened)."""

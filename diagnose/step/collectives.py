@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import Run
-from diagnose.ingest.spill import Spill, SpilledMap
+from diagnose.ingest.spill import Spill
 from diagnose.step.timeline import COLLECTIVE_COLUMNS, gather_collectives
 
 KEY = ["step", "pg", "seq"]
@@ -73,11 +73,10 @@ def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + 
     if aligned and any(run.clock_offsets_us.values()):
         ranks = np.unique(cols["rank"])
         off = np.array([run.clock_offsets_us.get(int(r), 0.0) for r in ranks])[np.searchsorted(ranks, cols["rank"])]
-    # columns read back from disk (or gathered) are this table's alone: taken as they are, not
-    # copied into one block a dtype (a second copy of every column at the height of each reader, #20)
-    fresh = run.collectives is None or isinstance(run.collectives, SpilledMap)
+    # the columns are this table's alone (Run.collective_columns, gather_collectives): taken as they
+    # are, not copied into one block a dtype (a second copy of every column at each reader's height, #20)
     return pd.DataFrame({c: cols[c] + off if off is not None and c in ("arrival", "end") else cols[c]
-                         for c in columns}, copy=not fresh)
+                         for c in columns}, copy=False)
 
 
 class RowsByValue:

@@ -182,10 +182,15 @@ class Replay:
 
     @property
     def mean_step_ms(self) -> float:
-        return float(np.mean(self.step_ms)) if self.step_ms.size else 0.0
+        return mean_ms(self.step_ms)
 
     def loaded(self) -> Replay:
         return self
+
+
+def mean_ms(step_ms: np.ndarray) -> float:
+    """A replay's mean step (ms), Replay's and ReplayOnDisk's."""
+    return float(np.mean(step_ms)) if step_ms.size else 0.0
 
 
 class ReplayOnDisk:
@@ -203,7 +208,7 @@ class ReplayOnDisk:
 
     @property
     def mean_step_ms(self) -> float:
-        return float(np.mean(self.step_ms)) if self.step_ms.size else 0.0
+        return mean_ms(self.step_ms)
 
     def loaded(self) -> Replay:
         time, via, via_cat = (array_stretch(self._cols[k]) for k in ("time", "via", "via_cat"))
