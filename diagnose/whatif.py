@@ -136,8 +136,8 @@ class StepModel:
         if fn is None or (cause == "best_transfer" and self.steps < MIN_STEPS_FOR_BEST):
             return None
         # the graph's weights read (from disk: GraphOnDisk) only where none are given, its
-        # transfers only for an edit that changes them (tr None: the graph's, unchanged): held
-        # beside an edit's own, they were 0.4 MB of the replays' height at 1,024 ranks (#20)
+        # transfers only for an edit that changes them (tr None: the graph's, unchanged): read
+        # always, two arrays a node were held beside the edit's own at the replays' height (#20)
         w0 = self.graph.lane_parts.total if w is None else w
         tr0 = self.graph.transfer if tr is None and cause not in KEEP_TRANSFERS else tr
         w1, tr1 = fn(self.graph, w0, tr0, tuple(ranks))

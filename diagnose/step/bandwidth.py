@@ -173,7 +173,7 @@ def exposed_by_group(run: Run, matched: Matched) -> dict[tuple[str, str], float]
     """(process group, kind) -> exposed communication ms per step, the median over ranks of
     exposed_per_rank (a row's median rank, so the rows need not sum to the median rank's total)."""
     # a column of every rank's ms a row, filled one rank at a time: not a dict a rank held for
-    # them all at once (~0.3 KB a rank at the communication table's height, #20)
+    # them all at once, at the communication table's height (#20)
     n = sum(1 for r in run.ranks if len(run.timelines[r].steps))  # the ranks _exposed_each gives
     cols: dict[tuple[str, str], np.ndarray] = {}
     for i, (_, mine) in enumerate(_exposed_each(run, matched)):

@@ -31,7 +31,7 @@ class Waits:
     """Each rank's waits for the last rank alone (or for the ranks late together), on its own
     clock, where its lanes live: `get(rank)` makes the rank's interval set from the matched rows
     sorted by rank once, when its reader asks (an interval set for every rank at once was held
-    through the breakdown's build and the communication table: ~0.3 KB a rank, #20)."""
+    through the breakdown's build and the communication table, objects a rank, #20)."""
 
     def __init__(self, run: Run, matched: Matched) -> None:
         cols = ["rank", "tail_wait", "latest", "end"]

@@ -81,8 +81,8 @@ def collectives_table(run: Run, columns: tuple[str, ...] = COLLECTIVE_COLUMNS + 
 
 class RowsByValue:
     """key -> the ascending positions where `values` equals it (empty where none), each made when
-    looked up from one sort: not a dict of a view per key, ~0.15 KB a rank held by each reader
-    (the graph's build holds two) at 1,024 ranks (#20)."""
+    looked up from one sort: not a dict of an array view per key, objects a rank held by each
+    reader (the graph's build holds two; #20)."""
 
     __slots__ = ("_order", "_keys", "_lo", "_hi")
 
