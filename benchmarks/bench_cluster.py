@@ -10,7 +10,9 @@ temporary directory. Then, each in its own child process (so peaks do not mix), 
   (diagnose_paths(..., reader=DaskReader)); the cluster's start is timed apart.
 
 Prints wall times, the ratio cluster / local, the client's peak resident memory (VmHWM of the
-child; the workers' are theirs) and how much it grew per added rank, the bytes that travelled back
+child; the workers' are theirs) after the analysis and after its outputs are written as
+`diagnose analyze` writes them (diagnosis.json, report.html: the command's own peak), and how much
+each grew per added rank, the bytes that travelled back
 per rank, and the client's own work after the last file arrived (assembly and the checklist: what
 more workers cannot shorten).
 
@@ -105,8 +107,19 @@ def measure(kind: str, target: str) -> dict:
     import resource
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"wall_s": wall, "start_s": start_s, "client_cpu_s": ru.ru_utime + ru.ru_stime, "after_read_s": t + wall - last[0] if last[0] else None, "peak_mb": _peak_mb(), "bytes_per_rank": back,
-            "ranks": len(d.run.ranks_found), "top": d.top.id if d.top else None}
+    analysed_mb = _peak_mb()
+    # then what `diagnose analyze` does with it (output.analyze_outputs, the cluster closed first):
+    # the command's peak is the report's, on top of what the analysis leaves
+    from diagnose.output import write_json
+    from diagnose.reports.html import write_report
+
+    with tempfile.TemporaryDirectory(prefix="bench-out-") as out:
+        write_json(d, Path(out))
+        write_report(d, Path(out))
+    return {"wall_s": wall, "start_s": start_s, "client_cpu_s": ru.ru_utime + ru.ru_stime,
+            "after_read_s": t + wall - last[0] if last[0] else None, "peak_mb": analysed_mb,
+            "peak_out_mb": _peak_mb(), "bytes_per_rank": back, "ranks": len(d.run.ranks_found),
+            "top": d.top.id if d.top else None}
 
 
 def _timed_read(args) -> tuple[float, float]:
@@ -273,6 +286,7 @@ def _cells(n: int, lo: dict, cl: dict) -> list[str]:
             f"{cl['wall_s']:.1f} s (+{cl['start_s']:.1f} s)" if ok_c else cl["error"],
             f"{cl['wall_s'] / lo['wall_s']:.2f}x" if ok_l and ok_c else "-",
             pair("peak_mb", ".0f", " MB"),
+            pair("peak_out_mb", ".0f", " MB"),
             f"{cl['bytes_per_rank'] / 1024:.0f} KiB" if ok_c else "-",
             pair("after_read_s", ".1f", " s")]
 
@@ -322,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((n, local, clus))
             print(f"{n} ranks: local {local}\n{n} ranks: cluster {clus}", flush=True)
     print("\n| ranks | single machine (2 processes) | LocalCluster of 2 (its start apart) | ratio | client peak, "
-          "single / cluster | back per rank | client's own work after the last file, single / cluster |")
-    print("|---|---|---|---|---|---|---|")
+          "single / cluster | with its outputs written | back per rank | client's own work after the last file, "
+          "single / cluster |")
+    print("|---|---|---|---|---|---|---|---|")
     for n, lo, cl in rows:
         print("| " + " | ".join(_cells(n, lo, cl)) + " |")
     for line in _growth(rows):
@@ -338,9 +353,11 @@ def _growth(rows: list[tuple[int, dict, dict]]) -> list[str]:
     for (n0, *a), (n1, *b) in zip(rows, rows[1:]):
         cells = []
         for label, x, y in zip(("single", "cluster"), a, b):
-            if "peak_mb" in x and "peak_mb" in y:
-                d = y["peak_mb"] - x["peak_mb"]
-                cells.append(f"{label} {d:+.1f} MB ({d / x['peak_mb']:+.0%}, {d * 1024 / (n1 - n0):.1f} KB a rank)")
+            for key, what in (("peak_mb", ""), ("peak_out_mb", " with its outputs")):
+                if key in x and key in y:
+                    d = y[key] - x[key]
+                    cells.append(f"{label}{what} {d:+.1f} MB ({d / x[key]:+.1%}, "
+                                 f"{d * 1024 / (n1 - n0):.1f} KB a rank)")
         if cells:
             out.append(f"client peak from {n0} to {n1} ranks: " + "; ".join(cells))
     return out

@@ -174,7 +174,7 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
     give_back_freed()  # between phases: what each one built and dropped (heap.give_back_freed)
     model, error = None, None
     try:
-        model = step_model(build_graph(run))
+        model = step_model(build_graph(run, spill=spill), spill)  # built into the spill (build_graph: why)
         give_back_freed()
     except Exception as exc:  # noqa: BLE001 - the checks' own estimates stand without the replay
         error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]

@@ -21,9 +21,12 @@ from diagnose.thresholds import Thresholds
 def report_extras(ctx: Context, checks: list[Check], findings: list[Finding], th: Thresholds,
                   link: LinkSpec | None) -> dict:
     """Every extra but the replay's summary (the pipeline adds that after annotating)."""
+    # the communication table first, before what the others keep: its build is the extras'
+    # highest point (#20); the dict keeps the report's order
+    comm = _comm_groups_extra(ctx, th, link)
     shown = shown_ranks(ctx, findings)
     return {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx, shown),
-            "top_ops": _top_ops_extra(ctx, shown), "comm_groups": _comm_groups_extra(ctx, th, link),
+            "top_ops": _top_ops_extra(ctx, shown), "comm_groups": comm,
             "compiled": _compiled_extra(ctx), "over_time": _over_time_extra(ctx, checks)}
 
 
@@ -231,29 +234,61 @@ def _compiled_extra(ctx: Context) -> dict:
                           "and `CompiledFunctionBackward` spans"}
 
 
+MAX_LATENESS_COLUMNS = 200
+"""The heatmap's collectives: the first ones in (step, group, order)."""
+
+
 def _lateness_extra(ctx: Context) -> dict:
-    """Rank x collective arrival lateness (ms) for the report's heatmap; capped in size."""
+    """Rank x collective arrival lateness (ms) for the report's heatmap; capped in size. The
+    matrix is a numpy array until it is written (output._clean makes it lists): as lists of
+    Python floats, held to the end, it was 0.28 MB more at 1,024 DLRM ranks than at 256
+    (tracemalloc, #20)."""
     key = ["step", "pg", "seq"]
     # only the columns read: the whole matched table sorted was a copy of every column (#20)
     pr = ctx.matched.frame(["rank", *key, "name", "lateness"])
     if pr.empty:
         return {}
-    pr = pr.sort_values(key)
-    first = ~pr.duplicated(key)  # each collective's first row, in the sorted order
-    # its rows of the first 200 collectives, in the same order: a mask, not a merge with the keys
-    # (a third copy of the table with a hash table; with 200 or fewer, the table as it is)
-    sub = pr if int(first.sum()) <= 200 else pr[first.cumsum().to_numpy() <= 200]
-    del first
+    # the rows' order sorted by the keys (sort_values' own: stable, missing keys last), the
+    # keys alone sorted: not every column of the table
+    ks = pr[key].reset_index(drop=True).sort_values(key)
+    at = ks.index.to_numpy()
+    first = ~ks.duplicated().to_numpy()  # each collective's first row, in the sorted order
+    del ks
+    gid = np.cumsum(first) - 1  # each sorted row's collective, numbered in that order
+    keep = gid < MAX_LATENESS_COLUMNS
+    at, gid, first = at[keep], gid[keep], first[keep]
     # a column a reader can find in the trace: "step 4 · all_reduce #0", the group only when several;
     # made once per collective (at most 200), not per row: a string of every row, thrice, set the
     # client's peak at 1,024 ranks
-    by = sub.groupby(key, sort=False)
-    kf = by["name"].first().reset_index()
+    heads = at[first]
+    kf = pd.DataFrame({k: pr[k].to_numpy()[heads] for k in key})
+    kf["name"] = pd.Series(pr["name"].to_numpy()[at]).groupby(gid, sort=False).first().to_numpy()
     label = "step " + kf["step"].astype(str) + " · " + kf["name"].astype(str).str.rsplit(":", n=1).str[-1] \
         + " #" + kf["seq"].astype(str)
-    if sub["pg"].nunique() > 1:
+    if pd.Series(pr["pg"].to_numpy()[at]).nunique() > 1:
         label = label + " (group " + kf["pg"].astype(str) + ")"
-    col = pd.Series(label.to_numpy(dtype=object)[by.ngroup().to_numpy()], index=sub.index)
-    mat = sub.assign(col=col).pivot_table(index="rank", columns="col", values="lateness", sort=False) / 1000
-    return {"ranks": [int(r) for r in mat.index], "collectives": [str(c) for c in mat.columns],
-            "lateness_ms": np.round(mat.to_numpy(), 3).tolist()}
+    labels = label.to_numpy(dtype=object)
+    ranks, lateness = pr["rank"].to_numpy()[at], pr["lateness"].to_numpy(dtype=float)[at]
+    del pr, kf, label
+    ranks_out, cols, mat = _pivot_mean(ranks, gid, lateness)
+    return {"ranks": [int(r) for r in ranks_out], "collectives": [str(labels[c]) for c in cols],
+            "lateness_ms": np.round(mat / 1000, 3)}
+
+
+def _pivot_mean(rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """pandas' pivot_table(index=rows, columns=cols, values, sort=False): its rows, columns and
+    cells. Where every (row, col) has one value, as matched collectives do, it is each value
+    placed at its row's and column's first appearance, NaN elsewhere, made from the arrays: the
+    pivot held a frame of every cell and its keys at once, the lateness extra's height at 1,024
+    ranks (#20). Anything else (a missing value, a cell seen twice) is pandas' own, whose rules
+    for what it leaves out and in which order it puts the rest are its own."""
+    r_codes, r_uniq = pd.factorize(rows, sort=False)
+    c_codes, c_uniq = pd.factorize(cols, sort=False)
+    cell = r_codes.astype(np.int64) * max(len(c_uniq), 1) + c_codes
+    if np.isnan(values).any() or len(np.unique(cell)) != len(cell):
+        t = pd.DataFrame({"r": rows, "c": cols, "v": values}).pivot_table(index="r", columns="c", values="v",
+                                                                         sort=False)
+        return t.index.to_numpy(), t.columns.to_numpy(), t.to_numpy(dtype=float)
+    out = np.full((len(r_uniq), len(c_uniq)), np.nan)
+    out[r_codes, c_codes] = values
+    return np.asarray(r_uniq), np.asarray(c_uniq), out

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import click
+import numpy as np
 import orjson
 
 from diagnose import __version__
@@ -20,7 +21,10 @@ from diagnose.units import human, on_ranks
 
 
 def _clean(x):
-    """JSON has no NaN/inf: write null. Non-UTF-8 bytes in file names (surrogates) become U+FFFD."""
+    """JSON has no NaN/inf: write null. Non-UTF-8 bytes in file names (surrogates) become U+FFFD.
+    A numpy array (a matrix the Diagnosis holds compact until written) becomes lists."""
+    if isinstance(x, np.ndarray):
+        return _clean(x.tolist())
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if isinstance(x, str):

@@ -11,12 +11,12 @@ from diagnose.errors import one_line
 from diagnose.ingest.assemble import Progress, Reader, Run, load_run
 from diagnose.heap import give_back_freed
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
-from diagnose.model import CHECK_ORDER, Check, Diagnosis, RunFacts
+from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
 from diagnose.step.breakdown import breakdown_rows
 from diagnose.step.link import LinkSpec
 from diagnose.thresholds import DEFAULT, Thresholds
-from diagnose.whatif import annotate
+from diagnose.whatif import StepModel, annotate
 
 
 def _device(run: Run) -> tuple[str, str | None]:
@@ -90,35 +90,45 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
                       key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
-    extras = report_extras(ctx, checks, findings, th, link)
-    facts, table, model, model_error = run_facts(run, ctx), ctx.table, ctx.model, ctx.model_error
-    # what the replays and the report need is out of the context: the matched collectives go
-    # before the replays, the step model before the breakdown's rows are made (#20)
-    del ctx
-    give_back_freed()
-    if model is not None:
-        try:  # each cause's ms from the one model of the step: the replay with it removed
-            named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
-            wi = annotate(tuple(findings), model, th, tuple(named))
-            extras["replay"] = wi.summary
-            findings = sorted(wi.findings, key=lambda f: (f.kind == "capacity", -f.recoverable_ms,
-                                                          order.get(f.id, 99)))
-            by_id = {f.id: f for f in findings}
-            checks = [replace(c, finding=by_id[c.id]) if c.finding is not None and c.id in by_id else c
-                      for c in checks]
-            if not model.trusted:
-                warnings.append(f"the step graph's replay reproduces the measured steps only within "
-                                f"{model.fidelity:.0%} (missing or sampled events): findings keep their own "
-                                "estimates, the replayed figures are metrics beside them")
-        except Exception as exc:  # noqa: BLE001 - the replay is extra evidence; the verdict stands without it
-            warnings.append(one_line(f"replay of the step graph failed ({type(exc).__name__}: {exc}); findings "
-                                     "keep their own estimates")[:300])
-    elif model_error:
+    model, model_error = ctx.model, ctx.model_error
+    replayed = _replay(findings, checks, model, th, warnings) if model is not None else None
+    if model is None and model_error:
         warnings.append(model_error + "; findings keep their own estimates")
-    del model
+    # the extras after the replays: each of the two reaches the client's height at 1,024 ranks
+    # (#20), the replays on top of what the extras keep for the report had they gone first. The
+    # extras see the findings as the checks gave them, as the report's choice of ranks always has.
+    extras = report_extras(ctx, checks, findings, th, link)
+    facts, table = run_facts(run, ctx), ctx.table
+    del ctx, model
+    give_back_freed()
+    if replayed is not None:
+        findings, checks, extras["replay"] = replayed
     return Diagnosis(run=facts, checks=tuple(checks), findings=tuple(findings),
                      breakdown=tuple(breakdown_rows(table)), warnings=tuple(run.warnings + warnings),
                      skipped=tuple(run.skipped), extras=extras)
+
+
+def _replay(findings: list[Finding], checks: list[Check], model: StepModel, th: Thresholds,
+            warnings: list[str]) -> tuple[list[Finding], list[Check], dict] | None:
+    """The findings and checks with each cause's ms from the one model of the step (the replay
+    with the cause removed: diagnose/whatif.py) and the replay's summary; None where the replay
+    failed (said in `warnings`: the findings keep their own estimates)."""
+    order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
+    try:
+        named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
+        wi = annotate(tuple(findings), model, th, tuple(named))
+    except Exception as exc:  # noqa: BLE001 - the replay is extra evidence; the verdict stands without it
+        warnings.append(one_line(f"replay of the step graph failed ({type(exc).__name__}: {exc}); findings "
+                                 "keep their own estimates")[:300])
+        return None
+    out = sorted(wi.findings, key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
+    by_id = {f.id: f for f in out}
+    checks = [replace(c, finding=by_id[c.id]) if c.finding is not None and c.id in by_id else c for c in checks]
+    if not model.trusted:
+        warnings.append(f"the step graph's replay reproduces the measured steps only within "
+                        f"{model.fidelity:.0%} (missing or sampled events): findings keep their own "
+                        "estimates, the replayed figures are metrics beside them")
+    return out, checks, wi.summary
 
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,

@@ -165,18 +165,20 @@ class StepModel:
         return sg.replay(self.graph, w, tr).mean_step_ms
 
 
-def step_model(g: sg.StepGraph) -> StepModel:
+def step_model(g: sg.StepGraph | sg.GraphOnDisk, spill: Spill | None = None) -> StepModel:
     """The model of `g`, its graph and its unedited replay's node arrays held on disk from here
-    (step/graph.GraphOnDisk, ReplayOnDisk: why; in memory where no temporary file can be made)."""
-    spill = Spill()
+    (step/graph.GraphOnDisk, ReplayOnDisk: why; in memory where no temporary file can be made).
+    spill: the one `g` lies in when it is a GraphOnDisk (build_graph(run, spill=...): the graph
+    never whole in memory), where the replay's arrays go too."""
+    spill = spill if spill is not None else Spill()
+    if isinstance(g, sg.StepGraph):
+        # the graph in memory goes before the replay, which reads it back a block at a time: both
+        # at once set the client's height at 1,024 ranks (#20). The caller's reference is ours
+        # alone (step_model(build_graph(run))): the graph is freed here.
+        g = sg.GraphOnDisk(g, spill)
     steps = len(set(g.step[g.kind == sg.STEP_END].tolist()))
-    graph = sg.GraphOnDisk(g, spill)
-    # the graph in memory goes before the replay, which reads it back a block at a time: both at
-    # once set the client's height at 1,024 ranks (#20). The caller's reference is ours alone
-    # (step_model(build_graph(run))): the graph is freed here.
-    del g
-    base = sg.replay(graph)
-    return StepModel(graph=graph, base=sg.ReplayOnDisk(base, spill), fidelity=sg.fidelity(graph, base), steps=steps)
+    base = sg.replay(g)
+    return StepModel(graph=g, base=sg.ReplayOnDisk(base, spill), fidelity=sg.fidelity(g, base), steps=steps)
 
 
 @dataclass(frozen=True, slots=True)

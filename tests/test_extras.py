@@ -72,7 +72,7 @@ def test_lateness_heatmap_labels_each_collective_as_found_in_the_trace():
     assert got["collectives"] == ["step 4 · allreduce_ #0 (group 0)", "step 4 · broadcast #1 (group 0)",
                                   "step 4 · all_gather #0 (group 1)", "step 5 · all_reduce #0 (group 1)"]
     assert got["ranks"] == [1, 0]
-    assert got["lateness_ms"] == [[2.0, 4.0, 2.0, 2.0], [1.0, 2.0, 1.0, 1.0]]
+    assert got["lateness_ms"].tolist() == [[2.0, 4.0, 2.0, 2.0], [1.0, 2.0, 1.0, 1.0]]
     one = _lateness_extra(SimpleNamespace(matched=matched(pd.DataFrame([r for r in rows if r["pg"] == "0"]))))
     assert one["collectives"] == ["step 4 · allreduce_ #0", "step 4 · broadcast #1"]
     many = pd.DataFrame([{"rank": r, "step": 1, "pg": "0", "seq": s, "name": "x", "lateness": 0.0}
@@ -80,3 +80,30 @@ def test_lateness_heatmap_labels_each_collective_as_found_in_the_trace():
     capped = _lateness_extra(SimpleNamespace(matched=matched(many.iloc[::-1])))
     assert capped["collectives"] == [f"step 1 · x #{s}" for s in range(200)]  # the first 200, in order
     assert capped["ranks"] == [1, 0] and all(len(row) == 200 for row in capped["lateness_ms"])
+
+
+def test_the_lateness_pivot_is_pandas_pivot_table():
+    """_pivot_mean, the heatmap's matrix made from arrays (#20), gives pivot_table's rows, columns
+    and cells (sort=False: first-appearance order; a (row, col) without a value NaN; rows and
+    columns with none left out; repeated cells their mean), whatever the input's order."""
+    import numpy as np
+    import pandas as pd
+
+    from diagnose.extras import _pivot_mean
+
+    rng = np.random.default_rng(7)
+    for trial in range(600):
+        n = int(rng.integers(1, 60))
+        rows = rng.choice([3, 11, 0, 7, 1024], size=n)
+        cols = rng.integers(0, 9, size=n)
+        values = rng.normal(size=n) * 1000
+        if trial % 3 == 0:
+            values[rng.random(n) < 0.2] = np.nan  # some rows without a lateness
+        if trial % 2:  # half the trials: every (row, col) at most once, as matched rows are
+            _, first = np.unique(rows.astype(np.int64) * 16 + cols, return_index=True)
+            rows, cols, values = rows[np.sort(first)], cols[np.sort(first)], values[np.sort(first)]
+        want = pd.DataFrame({"r": rows, "c": cols, "v": values}).pivot_table(index="r", columns="c", values="v",
+                                                                            sort=False)
+        r, c, m = _pivot_mean(rows, cols, values)
+        assert r.tolist() == want.index.tolist() and c.tolist() == want.columns.tolist(), trial
+        assert m.shape == want.shape and np.array_equal(m, want.to_numpy(dtype=float), equal_nan=True), trial

@@ -145,7 +145,7 @@ def test_a_graph_that_cannot_be_built_costs_only_the_replay(tmp_path, monkeypatc
     import diagnose.context as context
     from diagnose.pipeline import diagnose_paths
 
-    def broken(run):
+    def broken(run, **kw):
         raise ValueError("boom")
 
     monkeypatch.setattr(context, "build_graph", broken)
@@ -333,6 +333,36 @@ def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
     assert sg.critical_path(g, mem.base) == sg.critical_path(disk, model.base)
     s = int(g.step[g.kind == sg.STEP_END][0])
     assert sg.critical_segments(g, mem.base, s) == sg.critical_segments(disk, model.base, s)
+
+
+@pytest.mark.parametrize("name", ["param_dlrm_8rank_v100", "hta_nccl_data_rank0of2_a100"])
+def test_a_graph_built_into_a_spill_is_the_graph_built_in_memory(name):
+    """build_graph(run, spill=...) puts each node column in the spill as the build finishes with
+    it (#20: the graph never whole in memory): every column, its dtype, the lane parts, the
+    anchors, the step pairs and the collectives' keys are the in-memory build's, and the step
+    model of either replays the same to the bit."""
+    from diagnose.ingest.spill import Spill, SpilledArray
+    from diagnose.whatif import EDITS, step_model
+
+    run = shared_run(name)
+    g = sg.build_graph(run)
+    spill = Spill()
+    disk = sg.build_graph(run, spill=spill)
+    assert isinstance(g, sg.StepGraph) and isinstance(disk, sg.GraphOnDisk)
+    assert all(isinstance(h, SpilledArray) for h in disk._cols.values())  # nothing held in memory
+    for k in sg.NODE_COLUMNS:
+        a, b = getattr(g, k), getattr(disk, k)
+        assert a.dtype == b.dtype and np.array_equal(a, b), k
+    for k in range(len(sg.PARTS)):
+        assert np.array_equal(disk.lane_parts.column(k), g.lane_parts.column(k))
+    assert np.array_equal(disk.lane_parts.total, g.lane_parts.total)
+    assert np.array_equal(disk.anchor_segments(), sg._anchor_segments(g))
+    assert np.array_equal(disk.step_nodes, g.step_nodes) and disk.step_nodes.dtype == g.step_nodes.dtype
+    assert disk.n_nodes == g.n_nodes and disk.n_groups == g.n_groups and disk.group_key.equals(g.group_key)
+    a, b = step_model(g), step_model(disk, spill)
+    assert a.base.mean_step_ms == b.base.mean_step_ms and a.fidelity == b.fidelity and a.steps == b.steps
+    for cause in list(EDITS) + ["best_transfer"]:
+        assert a.saving(cause) == b.saving(cause), cause
 
 
 @pytest.mark.parametrize("block", [1, 7, 10**9])

@@ -151,6 +151,17 @@ class GraphOnDisk:
         self.lane_parts = PartsOnDisk(g.lane_parts, spill)
         self.n_groups, self.group_key, self.step_nodes, self.n_nodes = g.n_groups, g.group_key, g.step_nodes, g.n_nodes
 
+    @classmethod
+    def written(cls, cols: dict, lane_parts: PartsOnDisk, *, n_groups: int, group_key: pd.DataFrame,
+                step_nodes: np.ndarray, n_nodes: int) -> GraphOnDisk:
+        """One whose node columns (NODE_COLUMNS and anchor_seg) were put in the spill as its build
+        went (build_graph with a spill): the graph never whole in memory."""
+        assert set(cols) == set(NODE_COLUMNS) | {"anchor_seg"}, sorted(cols)
+        g = object.__new__(cls)
+        g._cols, g.lane_parts = cols, lane_parts
+        g.n_groups, g.group_key, g.step_nodes, g.n_nodes = n_groups, group_key, step_nodes, n_nodes
+        return g
+
     def column(self, name: str) -> np.ndarray:
         return self.stretch(name, 0, self.n_nodes)
 
@@ -249,8 +260,15 @@ class _Stretches:
                          np.frombuffer(self._ends, dtype=np.float64, count=b - a, offset=8 * a))
 
 
-def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
-    """The dependency graph of every profiled step of every loaded rank."""
+def build_graph(run: Run, *, resume_slack_us: float = 1.0, spill: Spill | None = None) -> StepGraph | GraphOnDisk:
+    """The dependency graph of every profiled step of every loaded rank; with `spill`, a
+    GraphOnDisk whose node columns went to the spill each as soon as the build was done with it
+    (the graph whole in memory at the build's end set the client's height at 1,024 ranks: #20)."""
+    done: dict = {}  # the finished node columns (on disk, with a spill)
+
+    def finished(name: str, a: np.ndarray) -> None:
+        done[name] = a if spill is None else spill.put_array(a)
+
     allc = collectives_table(run, ALL_COLLECTIVE_COLUMNS)
     keys = allc[["step", "pg", "seq"]].drop_duplicates().reset_index(drop=True)
     allc = allc.merge(keys.reset_index().rename(columns={"index": "group"}), on=["step", "pg", "seq"])
@@ -348,11 +366,19 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         return np.asarray(cols.pop(k), dtype=dtype)[order]
 
     # node ids, ranks, steps and codes fit 32 bits: half the memory of the graph's index columns
-    rank, step, seg, group = (sorted_column(k, np.int32) for k in ("rank", "step", "seg", "group"))
+    rank, step, seg = (sorted_column(k, np.int32) for k in ("rank", "step", "seg"))
+    finished("group", sorted_column("group", np.int32))
     ref = sorted_column("ref", np.int64)
-    transfer = sorted_column("transfer", float)
+    finished("transfer", sorted_column("transfer", float))
     after_arrival = np.isin(order, list(after_rows))
     n = time.size
+    # what needs the step and anchor columns, found now: those go before the lanes' pass
+    nodes_of_steps = step_nodes(rank, step, kind)
+    if spill is not None:  # GraphOnDisk keeps the anchors (found at each straggler edit otherwise)
+        finished("anchor_seg", _anchor_segments_of(kind, rank, seg))
+    finished("step", step)
+    finished("seg", seg)
+    del step, seg
 
     # COLL_END node of each collective row (its ref): to link resumes
     end_nodes = np.flatnonzero(kind == COLL_END)
@@ -369,6 +395,9 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
         lag[v] = time[v] - time[e] if after_arrival[v] else max(time[v] - time[e], 0.0)
     # the collective rows are done with: what is left to build is per node (#20: the build's height)
     del c_rank, c_arr, c_step, c_pg, c_seq, c_group, c_end, latest, rows_of, end_node_of_row, ref
+    for k, a in (("resume_of", resume_of), ("lag", lag), ("after_arrival", after_arrival)):
+        finished(k, a)
+    del resume_of, lag, after_arrival
 
     # lane chains and the composition of each lane edge
     lane_prev = np.full(n, -1, dtype=np.int32)
@@ -400,10 +429,14 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0) -> StepGraph:
             ok = j >= 0
             order_prev[arr[ok]] = ends[j[ok]]
     del nodes_of, blocked_by_rank, comm_wait
-    return StepGraph(rank=rank, kind=kind, time=time, step=step, seg=seg, lane_prev=lane_prev,
-                     lane_parts=lane_parts.build(), group=group, transfer=transfer, order_prev=order_prev,
-                     resume_of=resume_of, lag=lag, after_arrival=after_arrival, n_groups=len(keys),
-                     group_key=keys, step_nodes=step_nodes(rank, step, kind))
+    for k, a in (("rank", rank), ("kind", kind), ("time", time), ("lane_prev", lane_prev), ("order_prev", order_prev)):
+        finished(k, a)
+    del rank, kind, time, lane_prev, order_prev
+    if spill is None:
+        return StepGraph(**done, lane_parts=lane_parts.build(), n_groups=len(keys), group_key=keys,
+                         step_nodes=nodes_of_steps)
+    return GraphOnDisk.written(done, PartsOnDisk(lane_parts.build(), spill), n_groups=len(keys), group_key=keys,
+                               step_nodes=nodes_of_steps, n_nodes=n)
 
 
 REPLAY_BLOCK = 4096
@@ -523,7 +556,11 @@ def without_parts(g: StepGraph, parts: dict[str, float], ranks: set[int] | None 
 def _anchor_segments(g: StepGraph) -> np.ndarray:
     """For each lane node, the anchor it leads to: the next step bound or collective arrival on its
     rank (every rank has those; resume points do not always exist), as that anchor's seg id."""
-    kind, rank = g.kind, g.rank
+    return _anchor_segments_of(g.kind, g.rank, g.seg)
+
+
+def _anchor_segments_of(kind: np.ndarray, rank: np.ndarray, seg: np.ndarray) -> np.ndarray:
+    """_anchor_segments of the graph's kind, rank and seg columns."""
     out = np.full(kind.size, -1, dtype=np.int32)
     # every rank's lane nodes, rank after rank, each in node (time) order: one pass for all ranks
     # (a pass per rank over every node was O(ranks x nodes): 0.3 s a call at 1,024 ranks); node
@@ -538,7 +575,7 @@ def _anchor_segments(g: StepGraph) -> np.ndarray:
     nxt = np.minimum.accumulate(pos[::-1])[::-1] if lane.size else pos
     ok = nxt < lane.size
     ok[ok] = rank[lane[nxt[ok]]] == rank[lane[ok]]
-    out[lane[ok]] = g.seg[lane[nxt[ok]]]
+    out[lane[ok]] = seg[lane[nxt[ok]]]
     return out
 
 
