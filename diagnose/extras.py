@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.context import Context
-from diagnose.model import Check, Finding
+from diagnose.model import Check, Finding, Grid
 from diagnose.step.bandwidth import comm_table
 from diagnose.step.changes import over_time
 from diagnose.step.graph import critical_segments
@@ -240,7 +240,7 @@ MAX_LATENESS_COLUMNS = 200
 
 def _lateness_extra(ctx: Context) -> dict:
     """Rank x collective arrival lateness (ms) for the report's heatmap; capped in size. The
-    matrix is a numpy array until it is written (output._clean makes it lists): as lists of
+    matrix is one array until it is written (model.Grid; output._clean makes it lists): as lists of
     Python floats, held to the end, it was 0.28 MB more at 1,024 DLRM ranks than at 256
     (tracemalloc, #20)."""
     key = ["step", "pg", "seq"]
@@ -272,7 +272,7 @@ def _lateness_extra(ctx: Context) -> dict:
     del pr, kf, label
     ranks_out, cols, mat = _pivot_mean(ranks, gid, lateness)
     return {"ranks": [int(r) for r in ranks_out], "collectives": [str(labels[c]) for c in cols],
-            "lateness_ms": np.round(mat / 1000, 3)}
+            "lateness_ms": Grid(np.round(mat / 1000, 3))}
 
 
 def _pivot_mean(rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ Frozen dataclasses: results are never mutated after they are built.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -144,7 +145,9 @@ class Diagnosis:
     checks: tuple[Check, ...]
     findings: tuple[Finding, ...]
     """Flagged findings, most recoverable time first."""
-    breakdown: tuple[StepBreakdown, ...]
+    breakdown: Sequence[StepBreakdown]
+    """Every rank's every step (the pipeline's: step/breakdown.BreakdownRows, its rows made when
+    read; a tuple or list of rows compares equal to it)."""
     warnings: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     """Inputs that were not used, each 'file: reason'."""
@@ -155,6 +158,38 @@ class Diagnosis:
     @property
     def top(self) -> Finding | None:
         return self.findings[0] if self.findings else None
+
+
+class Grid:
+    """A matrix of floats a Diagnosis holds as one array until it is written (output._clean writes
+    it as lists of rows, NaN as null): a Python float a cell, held from the analysis to the end,
+    grew with the ranks (#20). Equal to a Grid of the same cells, NaN to NaN; read-only."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values) -> None:
+        import numpy as np  # here, not at the top: the CLI starts without numpy (tests/test_cli.py)
+
+        v = np.array(values, dtype=float)
+        v.setflags(write=False)
+        self.values = v
+
+    def __eq__(self, other) -> bool:
+        import numpy as np
+
+        return isinstance(other, Grid) and self.values.shape == other.values.shape and \
+            bool(np.array_equal(self.values, other.values, equal_nan=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def tolist(self) -> list:
+        return self.values.tolist()
+
+    def __repr__(self) -> str:
+        return f"Grid({self.values.shape[0]}x{self.values.shape[1] if self.values.ndim > 1 else 0})"
 
 
 def to_dict(obj) -> dict:

@@ -6,24 +6,23 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import click
-import numpy as np
 import orjson
 
 from diagnose import __version__
 from diagnose.errors import DiagnoseError, one_line
-from diagnose.model import Diagnosis
+from diagnose.model import Diagnosis, Grid
 from diagnose.probes.safefs import write_atomic  # the one safe writer, shared with the probes
 from diagnose.units import human, on_ranks
 
 
 def _clean(x):
     """JSON has no NaN/inf: write null. Non-UTF-8 bytes in file names (surrogates) become U+FFFD.
-    A numpy array (a matrix the Diagnosis holds compact until written) becomes lists."""
-    if isinstance(x, np.ndarray):
+    A Grid (a matrix the Diagnosis holds as one array until written) becomes lists."""
+    if isinstance(x, Grid):
         return _clean(x.tolist())
     if isinstance(x, float):
         return x if math.isfinite(x) else None
@@ -37,7 +36,8 @@ def _clean(x):
 
 
 def diagnosis_dict(d: Diagnosis) -> dict:
-    body = asdict(d)
+    body = asdict(replace(d, breakdown=()))  # the rows one at a time below, not deep-copied first
+    body["breakdown"] = [asdict(s) for s in d.breakdown]
     return _clean({
         "schema_version": d.schema_version,
         "tool": {"name": "torch-diagnose", "version": __version__},

@@ -13,7 +13,7 @@ from diagnose.heap import give_back_freed
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
-from diagnose.step.breakdown import breakdown_rows
+from diagnose.step.breakdown import BreakdownRows
 from diagnose.step.link import LinkSpec
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.whatif import StepModel, annotate
@@ -104,7 +104,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     if replayed is not None:
         findings, checks, extras["replay"] = replayed
     return Diagnosis(run=facts, checks=tuple(checks), findings=tuple(findings),
-                     breakdown=tuple(breakdown_rows(table)), warnings=tuple(run.warnings + warnings),
+                     breakdown=BreakdownRows(table), warnings=tuple(run.warnings + warnings),
                      skipped=tuple(run.skipped), extras=extras)
 
 

@@ -11,6 +11,7 @@ import re
 import statistics
 from collections import defaultdict
 
+import numpy as np
 import plotly.graph_objects as go
 
 # (breakdown key, legend label, colour, bar pattern). Okabe-Ito colours are
@@ -104,22 +105,45 @@ def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
 
 def mean_breakdown(breakdown: list) -> dict[int, dict[str, float]]:
     """Mean of every component (and step_ms) per rank over the analysed steps."""
-    acc: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    # a running sum and count per component, an array slot a rank, each value added in row order
+    # as sum() of a list would: a list (or a dict) of every value per rank was 2.5-2.8 MB above
+    # the render's base at 1,024 ranks (#20). A rank's last other_ms waits to be added: a later
+    # row's idle split still lowers it.
+    keys = ("step_ms", *(c[0] for c in COMPONENTS), *(c[0] for c in IDLE_CAUSES))
+    at: dict[int, int] = {}
+    n = len(breakdown or [])
+    sums = {k: np.zeros(n) for k in keys}
+    counts = {k: np.zeros(n, dtype=np.int64) for k in keys}
+    last_other: dict[int, float] = {}
+
+    def add(i: int, key: str, v: float) -> None:
+        sums[key][i] += v
+        counts[key][i] += 1
+
     for row in breakdown or []:
         r = _rank(row.get("rank")) if isinstance(row, dict) else None
         if r is None:
             continue
-        for key in ("step_ms", *(c[0] for c in COMPONENTS)):
+        i = at.setdefault(r, len(at))
+        for key in keys[:1 + len(COMPONENTS)]:
             v = num(row.get(key))
-            if v is not None:
-                acc[r][key].append(v)
+            if v is None:
+                continue
+            if key == "other_ms":
+                if i in last_other:
+                    add(i, key, last_other[i])
+                last_other[i] = v
+            else:
+                add(i, key, v)
         split = row.get("other_by_cause_ms")
-        if isinstance(split, dict) and split and acc[r]["other_ms"]:
+        if isinstance(split, dict) and split and i in last_other:
             parts = {k: num(v) or 0.0 for k, v in split.items() if f"idle_{k}" in IDLE_KEYS}
             for k, v in parts.items():
-                acc[r][f"idle_{k}"].append(v)
-            acc[r]["other_ms"][-1] = max(acc[r]["other_ms"][-1] - sum(parts.values()), 0.0)
-    return {r: {k: sum(v) / len(v) for k, v in comps.items()} for r, comps in sorted(acc.items())}
+                add(i, f"idle_{k}", v)
+            last_other[i] = max(last_other[i] - sum(parts.values()), 0.0)
+    for i, v in last_other.items():
+        add(i, "other_ms", v)
+    return {r: {k: float(sums[k][i]) / int(counts[k][i]) for k in keys if counts[k][i]} for r, i in sorted(at.items())}
 
 
 IDLE_KEYS = frozenset(c[0] for c in IDLE_CAUSES)

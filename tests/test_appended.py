@@ -68,3 +68,33 @@ def test_the_breakdown_frame_gives_back_its_rows_as_computed(where):
         assert b.other_by_cause_ms == ({c: row[k] for c, k in zip(CLASSES, CAUSE_COLUMNS)} if row[HAS_CAUSES] else {})
         assert all(type(v) is float for v in b.other_by_cause_ms.values())
     assert all(bool(b.other_by_cause_ms) == run.timelines[b.rank].is_gpu for b in rows)  # GPU: idle split
+
+
+def test_the_diagnosis_holds_its_breakdown_as_columns_and_reads_as_its_rows(tmp_path):
+    """Diagnosis.breakdown is the breakdown frame's columns (BreakdownRows, #20), each row made
+    when read: it reads as the tuple of rows it replaced (length, order, indexing from either end,
+    slices, equality both ways), survives pickling, and diagnosis.json's rows are those rows."""
+    import pickle
+    from dataclasses import asdict
+
+    import orjson
+
+    from diagnose.context import build_context
+    from diagnose.output import write_json
+    from diagnose.pipeline import diagnose_run
+    from diagnose.step.breakdown import BreakdownRows, breakdown_rows
+    from tests.conftest import shared_run
+
+    run = shared_run("param_dlrm_8rank_v100")
+    want = tuple(breakdown_rows(build_context(run).table))
+    d = diagnose_run(shared_run("param_dlrm_8rank_v100"))
+    rows = d.breakdown
+    assert isinstance(rows, BreakdownRows) and len(rows) == len(want) >= 8
+    assert rows == want and want == tuple(rows) and rows == list(want) and rows != want[:-1]
+    assert rows[0] == want[0] and rows[-1] == want[-1] and rows[2:5] == want[2:5] and rows[::-3] == want[::-3]
+    with pytest.raises(IndexError):
+        rows[len(want)]
+    assert pickle.loads(pickle.dumps(d)) == d
+    write_json(d, tmp_path)
+    assert orjson.loads((tmp_path / "diagnosis.json").read_bytes())["breakdown"] == \
+        orjson.loads(orjson.dumps([asdict(s) for s in want], option=orjson.OPT_SERIALIZE_NUMPY))

@@ -79,7 +79,14 @@ def test_lateness_heatmap_labels_each_collective_as_found_in_the_trace():
                          for s in range(250) for r in (0, 1)])
     capped = _lateness_extra(SimpleNamespace(matched=matched(many.iloc[::-1])))
     assert capped["collectives"] == [f"step 1 · x #{s}" for s in range(200)]  # the first 200, in order
-    assert capped["ranks"] == [1, 0] and all(len(row) == 200 for row in capped["lateness_ms"])
+    assert capped["ranks"] == [1, 0] and capped["lateness_ms"].values.shape == (2, 200)
+    # held as one array (model.Grid, #20): equal cell for cell, NaN to NaN; written as lists
+    from diagnose.model import Grid
+    from diagnose.output import _clean
+
+    holes = _lateness_extra(SimpleNamespace(matched=matched(pd.DataFrame(rows[:3] + rows[5:]))))
+    assert holes["lateness_ms"] == Grid(holes["lateness_ms"].tolist()) != Grid([[0.0]])
+    assert _clean(holes)["lateness_ms"] == [[2.0, 4.0, None, 2.0], [1.0, 2.0, 1.0, None]]
 
 
 def test_the_lateness_pivot_is_pandas_pivot_table():

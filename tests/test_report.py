@@ -377,3 +377,45 @@ def test_a_per_rank_metric_of_many_ranks_is_one_row_with_its_median_and_highest_
     assert "median 0.000; highest: rank 700 141.8, rank 0 0.000" in html and "(all 1024 in diagnosis.json)" in html
     few = {f"rank{r}_mean_lateness_ms": float(r) for r in range(MAX_RANK_ROWS)}
     assert _metrics_table(few).count("<tr>") == MAX_RANK_ROWS
+
+
+def test_mean_breakdown_sums_as_it_goes_and_gives_the_lists_means():
+    """mean_breakdown keeps a running sum per rank and component (#20: the lists of every value
+    were the render's height at 1,024 ranks): the same means, to the bit, as summing each rank's
+    list of values, with a later row's idle split lowering the rank's last other_ms, rows in any
+    order, some values missing."""
+    import random
+    from collections import defaultdict
+
+    from diagnose.reports import charts as C
+
+    def by_lists(rows):
+        acc = defaultdict(lambda: defaultdict(list))
+        for row in rows:
+            r = row["rank"]
+            for key in ("step_ms", *(c[0] for c in C.COMPONENTS)):
+                if C.num(row.get(key)) is not None:
+                    acc[r][key].append(C.num(row[key]))
+            split = row.get("other_by_cause_ms")
+            if split and acc[r]["other_ms"]:
+                parts = {k: C.num(v) or 0.0 for k, v in split.items() if f"idle_{k}" in C.IDLE_KEYS}
+                for k, v in parts.items():
+                    acc[r][f"idle_{k}"].append(v)
+                acc[r]["other_ms"][-1] = max(acc[r]["other_ms"][-1] - sum(parts.values()), 0.0)
+        return {r: {k: sum(v) / len(v) for k, v in c.items()} for r, c in sorted(acc.items())}
+
+    rng = random.Random(3)
+    classes = ("latency", "queued", "sync", "launch", "unknown_class")
+    rows = [{"rank": r, "step": s, "step_ms": rng.uniform(5, 50), "compute_ms": rng.uniform(1, 9) / 3,
+             "exposed_comm_ms": rng.uniform(0, 4), "straggler_wait_ms": rng.uniform(0, 2),
+             "dataloader_ms": rng.uniform(0, 1), "other_ms": rng.uniform(0, 6),
+             "other_by_cause_ms": {c: rng.uniform(0, 1.5) for c in classes} if r % 2 else {}}
+            for r in range(6) for s in range(7)]
+    rng.shuffle(rows)
+    for row in rows[::4]:
+        row.pop(rng.choice(["compute_ms", "step_ms", "dataloader_ms"]))
+    for row in rows[1::9]:
+        row["other_ms"] = None  # no value this step: the rank's previous one takes the split
+    got = C.mean_breakdown(rows)
+    assert got == by_lists(rows) and sorted(got) == list(range(6))
+    assert any("idle_sync" in m for m in got.values()) and all("idle_unknown_class" not in m for m in got.values())

@@ -12,7 +12,7 @@ and the rest (`exposed_comm`: transfers and general arrival skew).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
 import numpy as np
@@ -132,11 +132,45 @@ def breakdown_table(run: Run, matched: Matched) -> pd.DataFrame:
 def breakdown_rows(table: pd.DataFrame) -> Iterator[StepBreakdown]:
     """breakdown_table's rows as StepBreakdowns, each value of the type it had when it was
     computed (a rank and step as int, start_us as float, the ms as numpy floats)."""
-    if table.empty:
-        return
-    cols = {f: table[f].to_numpy() for f in TABLE_COLUMNS}
-    for i in range(len(table)):
+    return iter(BreakdownRows(table))
+
+
+class BreakdownRows(Sequence):
+    """Diagnosis.breakdown: breakdown_table's rows held as its columns, each row a StepBreakdown
+    made when it is read (breakdown_rows' values and types), equal to any sequence of the same
+    rows. A StepBreakdown a rank and step, held from the end of the analysis until written, was
+    the client's height at 1,024 ranks once the rest had gone to disk (#20)."""
+
+    __slots__ = ("_cols", "_n")
+
+    def __init__(self, table: pd.DataFrame) -> None:
+        self._n = 0 if table.empty else len(table)
+        self._cols = {f: table[f].to_numpy() for f in TABLE_COLUMNS} if self._n else {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._row(j) for j in range(*i.indices(self._n)))
+        j = i + self._n if i < 0 else i
+        if not 0 <= j < self._n:
+            raise IndexError(i)
+        return self._row(j)
+
+    def __iter__(self) -> Iterator[StepBreakdown]:
+        return (self._row(i) for i in range(self._n))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == self._n and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # as a list's: rows compare by value
+
+    def __repr__(self) -> str:
+        return f"BreakdownRows({self._n} rows)"
+
+    def _row(self, i: int) -> StepBreakdown:
+        cols = self._cols
         causes = {c: float(cols[k][i]) for c, k in zip(CLASSES, CAUSE_COLUMNS)} if cols[HAS_CAUSES][i] else {}
-        yield StepBreakdown(rank=int(cols["rank"][i]), step=int(cols["step"][i]),
-                            start_us=float(cols["start_us"][i]),
-                            **{f: cols[f][i] for f in MS_FIELDS}, other_by_cause_ms=causes)
+        return StepBreakdown(rank=int(cols["rank"][i]), step=int(cols["step"][i]), start_us=float(cols["start_us"][i]),
+                             **{f: cols[f][i] for f in MS_FIELDS}, other_by_cause_ms=causes)
