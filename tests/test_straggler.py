@@ -546,3 +546,64 @@ def test_the_matched_table_lies_on_disk_once_the_context_is_built_and_reads_back
     in_memory = wait_for_group(match_collectives(run), ctx.late_together).on_disk(broken)
     assert isinstance(in_memory.per_rank, dict)
     pd.testing.assert_frame_equal(in_memory.frame(), held, check_exact=True)
+
+
+def _matched_by_groupby(allc):
+    """The matching as pandas' groupbys gave it before match_table (#20): the oracle."""
+    import numpy as np
+    import pandas as pd
+
+    from diagnose.step.collectives import KEY
+
+    counts = allc.groupby(KEY)["rank"].transform("size")
+    matched = allc[counts >= 2].copy()
+    if matched.empty:
+        return matched, pd.DataFrame(columns=KEY)
+    g = matched.groupby(KEY)
+    matched["latest"] = g["arrival"].transform("max")
+    matched["second"] = g["arrival"].transform(lambda a: np.sort(a.to_numpy())[-2])
+    leave = np.minimum(matched["latest"], matched["end"])
+    matched["tail_wait"] = np.clip(leave - np.maximum(matched["arrival"], matched["second"]), 0, None)
+    matched["lateness"] = matched["arrival"] - g["arrival"].transform("median")
+    ordered = matched[KEY + ["rank", "arrival"]].sort_values(KEY + ["arrival"])
+    last = ordered.groupby(KEY).tail(1).set_index(KEY)
+    second = ordered.groupby(KEY).nth(-2).set_index(KEY)
+    per_coll = pd.DataFrame({"n_ranks": g.size(), "last_rank": last["rank"], "latest": last["arrival"],
+                             "gap": last["arrival"] - second["arrival"],
+                             "names_agree": g["name"].nunique() == 1}).reset_index()
+    return matched.reset_index(drop=True), per_coll
+
+
+def test_matching_by_one_sort_gives_what_the_groupbys_gave():
+    """match_table's figures come from one sort of the rows (#20: each groupby held the table's
+    grouping at the client's height): the matched rows and every collective's row are the
+    groupbys' to the bit, on real runs and on tables with ties, odd and even counts, collectives
+    on one rank, several groups and names missing or disagreeing."""
+    import numpy as np
+    import pandas as pd
+
+    from pathlib import Path
+
+    from diagnose.step.collectives import COLLECTIVE_COLUMNS, collectives_table, match_table
+    from tests.conftest import fixture_run, shared_run
+
+    cols = tuple(c for c in COLLECTIVE_COLUMNS if c != "dtype") + ("rank", "dur")
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    tables = [collectives_table(shared_run(n), cols) for n in ("param_dlrm_8rank_v100", "hta_sampled_2rank_of128")]
+    tables += [collectives_table(fixture_run(fixtures / n), cols) for n in ("cpu_straggler_2rank", "cpu_fsdp2_straggler_2rank")]
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        n = int(rng.integers(2, 300))
+        tables.append(pd.DataFrame({
+            "step": rng.integers(3, 6, n), "pg": rng.choice(["0", "1", "10"], n), "seq": rng.integers(0, 7, n),
+            "name": rng.choice(np.array(["nccl:all_reduce", "nccl:broadcast", None], dtype=object), n, p=[.8, .1, .1]),
+            "arrival": rng.integers(0, 40, n).astype(float) * 2.5, "end": rng.integers(20, 90, n).astype(float),
+            "bytes": rng.integers(0, 1 << 20, n), "row": np.arange(n), "rank": rng.integers(0, 9, n),
+            "dur": rng.random(n)}))
+    for t in tables:
+        assert len(t) and t["rank"].nunique() >= 2
+        got = match_table(t.copy())
+        want_rows, want_coll = _matched_by_groupby(t.copy())
+        pd.testing.assert_frame_equal(got.frame(), want_rows, check_exact=True)
+        pd.testing.assert_frame_equal(got.per_collective, want_coll, check_exact=True)
+        assert got.match_ratio == len(want_rows) / len(t)
