@@ -43,3 +43,31 @@ def test_weights_cannot_be_edited_in_place():
     b.add(np.arange(3), np.ones((3, 2)))
     with pytest.raises(ValueError):
         b.build().total[0] = 0.0
+
+
+@pytest.mark.parametrize("block", [1, 3, 4096])
+def test_rows_and_elements_read_where_they_lie_are_the_whole_arrays(block):
+    """The critical path of one step reads the nodes its chain reaches (#20): ArrayBlocks gives a
+    spilled array's elements, one or many, as the array has them at any block size, each block
+    read once; rows_of gives LaneParts' rows from memory and from disk as row() does."""
+    from diagnose.ingest.spill import ArrayBlocks, Spill
+    from diagnose.step.parts import LanePartsBuilder, PartsOnDisk
+
+    rng = np.random.default_rng(5)
+    a = rng.normal(size=1000)
+    spill = Spill()
+    blocks = ArrayBlocks(spill.put_array(a), block=block)
+    idx = rng.integers(0, a.size, 50)
+    assert np.array_equal(blocks[idx], a[idx]) and blocks[idx].dtype == a.dtype
+    assert blocks[999] == a[999] and blocks[np.int64(0)] == a[0] and blocks[np.array([], dtype=int)].size == 0
+    assert len(blocks._read) <= len(set((idx // block).tolist()) | {999 // block, 0})
+    b = LanePartsBuilder(40, 5)
+    nodes = np.arange(40)
+    cells = rng.random((40, 5)) * (rng.random((40, 5)) < 0.3)
+    b.add(nodes, cells)
+    mem = b.build()
+    disk = PartsOnDisk(mem, spill)
+    ask = np.array([39, 0, 7, 7, 22])
+    want = np.stack([mem.row(int(v)) for v in ask])
+    assert np.array_equal(mem.rows_of(ask), want) and np.array_equal(disk.rows_of(ask), want)
+    assert disk.rows_of(np.array([], dtype=int)).shape == (0, 5)

@@ -163,6 +163,33 @@ def array_stretch(x: SpilledArray | np.ndarray, lo: int = 0, hi: int | None = No
     return v
 
 
+class ArrayBlocks:
+    """What Spill.put_array gave, read a block of `block` elements at a time as elements are asked
+    for (`blocks[i]`, `blocks[array_of_i]`), each block read once: for a reader that follows a few
+    elements through a long array (the critical path of one step: step/graph.critical_segments)."""
+
+    __slots__ = ("_x", "_block", "_read")
+
+    def __init__(self, x: SpilledArray | np.ndarray, block: int = 4096) -> None:
+        self._x, self._block, self._read = x, block, {}
+
+    def _of(self, b: int) -> np.ndarray:
+        if b not in self._read:
+            self._read[b] = array_stretch(self._x, b * self._block, (b + 1) * self._block)
+        return self._read[b]
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            b = int(i) // self._block
+            return self._of(b)[int(i) - b * self._block]
+        i = np.asarray(i, dtype=np.int64)
+        out = np.empty(i.shape, dtype=self._x.dtype)
+        for b in np.unique(i // self._block).tolist():
+            sel = i // self._block == b
+            out[sel] = self._of(b)[i[sel] - b * self._block]
+        return out
+
+
 def unspilled(x: Any) -> Any:
     """x itself, or what it stands for when spilled."""
     return x.load() if isinstance(x, Spilled) else x

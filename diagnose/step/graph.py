@@ -48,7 +48,7 @@ import numpy as np
 import pandas as pd
 
 from diagnose.ingest.assemble import Run
-from diagnose.ingest.spill import Spill, array_stretch
+from diagnose.ingest.spill import ArrayBlocks, Spill, array_stretch
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.collectives import RowsByValue, collectives_table
 from diagnose.step.cover import LANE_SETS
@@ -119,6 +119,10 @@ class StepGraph:
         """Nodes [lo, hi) of a node column (GraphOnDisk reads only those)."""
         return getattr(self, name)[lo:hi]
 
+    def column_at(self, name: str, nodes: np.ndarray) -> np.ndarray:
+        """A node column at these nodes (GraphOnDisk reads the blocks they lie in)."""
+        return getattr(self, name)[nodes]
+
     def anchor_segments(self) -> np.ndarray:
         """_anchor_segments of this graph (GraphOnDisk keeps it, found once)."""
         return _anchor_segments(self)
@@ -168,6 +172,9 @@ class GraphOnDisk:
     def stretch(self, name: str, lo: int, hi: int) -> np.ndarray:
         return array_stretch(self._cols[name], lo, hi)
 
+    def column_at(self, name: str, nodes: np.ndarray) -> np.ndarray:
+        return ArrayBlocks(self._cols[name])[nodes]
+
     @property
     def ranks(self) -> list[int]:
         return np.unique(self.rank).tolist()
@@ -198,6 +205,10 @@ class Replay:
     def loaded(self) -> Replay:
         return self
 
+    def blocks(self) -> Replay:
+        """Itself (ReplayOnDisk reads its nodes a block at a time)."""
+        return self
+
 
 def mean_ms(step_ms: np.ndarray) -> float:
     """A replay's mean step (ms), Replay's and ReplayOnDisk's."""
@@ -223,6 +234,12 @@ class ReplayOnDisk:
 
     def loaded(self) -> Replay:
         time, via, via_cat = (array_stretch(self._cols[k]) for k in ("time", "via", "via_cat"))
+        return Replay(time=time, via=via, via_cat=via_cat, step_ms=self.step_ms)
+
+    def blocks(self) -> Replay:
+        """The same read a block of nodes at a time as they are asked for (ingest/spill.ArrayBlocks):
+        for a reader that follows one chain (critical_segments)."""
+        time, via, via_cat = (ArrayBlocks(self._cols[k]) for k in ("time", "via", "via_cat"))
         return Replay(time=time, via=via, via_cat=via_cat, step_ms=self.step_ms)
 
 
@@ -697,23 +714,29 @@ def _chain(g: StepGraph, rep: Replay, s: int):
     return floor, out
 
 
-def critical_segments(g: StepGraph, rep: Replay | ReplayOnDisk, s: int) -> list[tuple[float, float, int, str]]:
+def critical_segments(g: StepGraph | GraphOnDisk, rep: Replay | ReplayOnDisk, s: int) -> list[tuple[float, float, int, str]]:
     """Step s's critical path as drawn over the timeline: (start us, end us, rank, what) per edge,
-    in time order; `what` is a lane's largest part or "communication"."""
-    rep = rep.loaded()
+    in time order; `what` is a lane's largest part or "communication". On disk, the replay's and
+    the graph's nodes are read a block at a time as the chain reaches them, the lane parts at its
+    nodes only: the whole replay and lane parts read back for a chain of a few dozen nodes were
+    1.2 MB above the extras' base at 1,024 ranks (#20)."""
+    rep = rep.blocks()
     floor, chain = _chain(g, rep, s)
     if not chain:
         return []
-    lane_parts, rank = g.lane_parts.loaded(), g.rank  # once, not once a node (GraphOnDisk)
+    nodes = np.array([v for v, _, _ in chain], dtype=np.int64)
+    lane = np.array([cat == LANE for _, _, cat in chain])
+    rank = g.column_at("rank", nodes)
+    parts = np.zeros((nodes.size, len(PARTS)))
+    parts[lane] = g.lane_parts.rows_of(nodes[lane])
     out = []
-    for v, p, cat in chain:
+    for j, (v, p, _) in enumerate(chain):
         a, b = max(rep.time[p], floor), rep.time[v]
         if b <= a:
             continue
-        parts = lane_parts.row(v) if cat == LANE else None
-        what = PARTS[int(np.argmax(parts))] if parts is not None and parts.sum() > 0 else \
-            "communication" if cat != LANE else "compute"
-        out.append((float(a), float(b), int(rank[v]), what))
+        what = PARTS[int(np.argmax(parts[j]))] if lane[j] and parts[j].sum() > 0 else \
+            "communication" if not lane[j] else "compute"
+        out.append((float(a), float(b), int(rank[j]), what))
     return out[::-1]
 
 

@@ -42,6 +42,10 @@ class LaneParts:
         """Itself (PartsOnDisk reads its parts back)."""
         return self
 
+    def rows_of(self, nodes: np.ndarray) -> np.ndarray:
+        """(len(nodes), n_parts): those nodes' rows (PartsOnDisk's, from memory)."""
+        return _rows_of(self.rows, self.values, self.n_parts, nodes)
+
     def row(self, v: int) -> np.ndarray:
         out = np.zeros(self.n_parts)
         for k, (r, x) in enumerate(zip(self.rows, self.values)):
@@ -49,6 +53,22 @@ class LaneParts:
             if i < r.size and r[i] == v:
                 out[k] = x[i]
         return out
+
+
+def _rows_of(rows, values, n_parts: int, nodes: np.ndarray) -> np.ndarray:
+    """LaneParts.rows_of and PartsOnDisk.rows_of: rows, values as the parts hold them (arrays or
+    what Spill.put_array gave)."""
+    nodes = np.asarray(nodes, dtype=np.int64)
+    out = np.zeros((nodes.size, n_parts))
+    for k in range(n_parts):
+        r = array_stretch(rows[k])
+        i = np.minimum(np.searchsorted(r, nodes), max(r.size - 1, 0))
+        hit = np.flatnonzero((i < r.size) & (r[i] == nodes)) if r.size else np.empty(0, dtype=np.int64)
+        del r
+        if hit.size:  # the cells read back where they lie: a stretch from the first to the last
+            lo, hi = int(i[hit].min()), int(i[hit].max()) + 1
+            out[hit, k] = array_stretch(values[k], lo, hi)[i[hit] - lo]
+    return out
 
 
 class LanePartsBuilder:
@@ -102,6 +122,11 @@ class PartsOnDisk:
         out = np.zeros(self._n)
         out[array_stretch(self._rows[k])] = array_stretch(self._values[k])
         return out
+
+    def rows_of(self, nodes: np.ndarray) -> np.ndarray:
+        """(len(nodes), n_parts): those nodes' rows, each part's non-zero nodes read back one part
+        at a time and its cells only where one of them is (the critical path of one step)."""
+        return _rows_of(self._rows, self._values, self.n_parts, nodes)
 
     def loaded(self) -> LaneParts:
         """Every part read back at once: for a reader of many rows (the critical path)."""
