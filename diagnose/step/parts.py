@@ -62,8 +62,10 @@ def _rows_of(rows, values, n_parts: int, nodes: np.ndarray) -> np.ndarray:
     out = np.zeros((nodes.size, n_parts))
     for k in range(n_parts):
         r = array_stretch(rows[k])
-        i = np.minimum(np.searchsorted(r, nodes), max(r.size - 1, 0))
-        hit = np.flatnonzero((i < r.size) & (r[i] == nodes)) if r.size else np.empty(0, dtype=np.int64)
+        if not r.size:
+            continue
+        i = np.minimum(np.searchsorted(r, nodes), r.size - 1)  # where each node is, if it is
+        hit = np.flatnonzero(r[i] == nodes)
         del r
         if hit.size:  # the cells read back where they lie: a stretch from the first to the last
             lo, hi = int(i[hit].min()), int(i[hit].max()) + 1
