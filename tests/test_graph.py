@@ -363,6 +363,15 @@ def test_a_graph_built_into_a_spill_is_the_graph_built_in_memory(name):
     assert a.base.mean_step_ms == b.base.mean_step_ms and a.fidelity == b.fidelity and a.steps == b.steps
     for cause in list(EDITS) + ["best_transfer"]:
         assert a.saving(cause) == b.saving(cause), cause
+    # no temporary file to be had: the columns stay in memory, the model the same
+    broken = Spill()
+    broken._broken = True
+    kept = sg.build_graph(run, spill=broken)
+    assert not any(isinstance(h, SpilledArray) for h in kept._cols.values())
+    c = step_model(kept, broken)
+    assert c.base.mean_step_ms == a.base.mean_step_ms and c.saving("straggler") == a.saving("straggler")
+    s = int(g.step[g.kind == sg.STEP_END][0])
+    assert sg.critical_segments(kept, c.base, s) == sg.critical_segments(g, a.base, s) != []
 
 
 @pytest.mark.parametrize("block", [1, 7, 10**9])
