@@ -182,9 +182,6 @@ class Grid:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def __len__(self) -> int:
-        return len(self.values)
-
     def tolist(self) -> list:
         return self.values.tolist()
 

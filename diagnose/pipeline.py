@@ -18,6 +18,9 @@ from diagnose.step.link import LinkSpec
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.whatif import StepModel, annotate
 
+_ORDER = {cid: i for i, cid in enumerate(CHECK_ORDER)}
+"""A check's place in the checklist's order (CHECK_ORDER)."""
+
 
 def _device(run: Run) -> tuple[str, str | None]:
     names = set()
@@ -74,8 +77,7 @@ def run_checklist(ctx: Context, th: Thresholds) -> tuple[list[Check], list[str]]
             checks += entry.analyze(ctx, th)
         except Exception as exc:  # an analyzer bug must not cost the user the other verdicts
             warnings.append(f"check '{entry.name}' failed on this input ({type(exc).__name__}: {exc}); skipped")
-    order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
-    checks.sort(key=lambda c: order.get(c.id, len(order)))
+    checks.sort(key=lambda c: _ORDER.get(c.id, len(_ORDER)))
     return checks, warnings
 
 
@@ -87,9 +89,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     checks, warnings = run_checklist(ctx, th)
     prune_dead_views(run)  # once: after every check, before the extras (context.prune_dead_views: why)
     give_back_freed()
-    order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
-    findings = sorted((c.finding for c in checks if c.status == "flagged" and c.finding),
-                      key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
+    findings = _ranked(c.finding for c in checks if c.status == "flagged" and c.finding)
     model, model_error = ctx.model, ctx.model_error
     replayed = _replay(findings, checks, model, th, warnings) if model is not None else None
     if model is None and model_error:
@@ -108,12 +108,16 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
                      skipped=tuple(run.skipped), extras=extras)
 
 
+def _ranked(findings) -> list[Finding]:
+    """Most recoverable time first, capacity findings (no time lost) last, ties in checklist order."""
+    return sorted(findings, key=lambda f: (f.kind == "capacity", -f.recoverable_ms, _ORDER.get(f.id, 99)))
+
+
 def _replay(findings: list[Finding], checks: list[Check], model: StepModel, th: Thresholds,
             warnings: list[str]) -> tuple[list[Finding], list[Check], dict] | None:
     """The findings and checks with each cause's ms from the one model of the step (the replay
     with the cause removed: diagnose/whatif.py) and the replay's summary; None where the replay
     failed (said in `warnings`: the findings keep their own estimates)."""
-    order = {cid: i for i, cid in enumerate(CHECK_ORDER)}
     try:
         named = next((c.finding.ranks for c in checks if c.id == "straggler" and c.finding), ())
         wi = annotate(tuple(findings), model, th, tuple(named))
@@ -121,7 +125,7 @@ def _replay(findings: list[Finding], checks: list[Check], model: StepModel, th: 
         warnings.append(one_line(f"replay of the step graph failed ({type(exc).__name__}: {exc}); findings "
                                  "keep their own estimates")[:300])
         return None
-    out = sorted(wi.findings, key=lambda f: (f.kind == "capacity", -f.recoverable_ms, order.get(f.id, 99)))
+    out = _ranked(wi.findings)
     by_id = {f.id: f for f in out}
     checks = [replace(c, finding=by_id[c.id]) if c.finding is not None and c.id in by_id else c for c in checks]
     if not model.trusted:

@@ -162,11 +162,14 @@ def component_label(key: str) -> str:
     return next((c[1] for c in COMPONENTS + IDLE_CAUSES if c[0] == key), key)
 
 
-def breakdown_bars(breakdown: list, ranks: list[int] | None = None) -> go.Figure | None:
-    """Stacked bars: where the mean step went, per rank."""
-    means = mean_breakdown(breakdown)
+def breakdown_bars(breakdown: list, ranks: list[int] | None = None,
+                   means: dict[int, dict[str, float]] | None = None) -> go.Figure | None:
+    """Stacked bars: where the mean step went, per rank. means: mean_breakdown(breakdown), where
+    the caller has it already (a second one held beside it at 1,024 ranks, #20)."""
+    means = mean_breakdown(breakdown) if means is None else means
     if ranks:
-        means = {r: m for r, m in means.items() if r in set(ranks)}
+        shown = set(ranks)
+        means = {r: m for r, m in means.items() if r in shown}
     if not means:
         return None
     x = [f"rank {r}" for r in means]

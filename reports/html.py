@@ -115,7 +115,7 @@ def _breakdown_section(breakdown: list, cs: ChartSet, composition: bool = True) 
     if not means:
         return '<p class="muted">No per-step breakdown in this diagnosis.</p>'
     parts = []
-    fig = charts.breakdown_bars(breakdown)
+    fig = charts.breakdown_bars(breakdown, means=means)
     if fig is not None:
         parts.append(cs.add(fig, "Mean step time per rank, stacked by component"))
     fig, step = charts.step_composition(breakdown) if composition else (None, None)

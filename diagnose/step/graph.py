@@ -148,23 +148,26 @@ class GraphOnDisk:
     __slots__ = ("_cols", "lane_parts", "n_groups", "group_key", "step_nodes", "n_nodes")
 
     def __init__(self, g: StepGraph, spill: Spill) -> None:
-        self._cols = {k: spill.put_array(getattr(g, k)) for k in NODE_COLUMNS}
+        cols = {k: spill.put_array(getattr(g, k)) for k in NODE_COLUMNS}
         # found once here, where the graph's columns are in memory: found at each straggler edit
         # from columns read back, it set the replays' height at 1,024 ranks (0.76 MB; #20)
-        self._cols["anchor_seg"] = spill.put_array(_anchor_segments(g))
-        self.lane_parts = PartsOnDisk(g.lane_parts, spill)
-        self.n_groups, self.group_key, self.step_nodes, self.n_nodes = g.n_groups, g.group_key, g.step_nodes, g.n_nodes
+        cols["anchor_seg"] = spill.put_array(_anchor_segments(g))
+        self._hold(cols, PartsOnDisk(g.lane_parts, spill), g.n_groups, g.group_key, g.step_nodes, g.n_nodes)
 
     @classmethod
     def written(cls, cols: dict, lane_parts: PartsOnDisk, *, n_groups: int, group_key: pd.DataFrame,
                 step_nodes: np.ndarray, n_nodes: int) -> GraphOnDisk:
         """One whose node columns (NODE_COLUMNS and anchor_seg) were put in the spill as its build
         went (build_graph with a spill): the graph never whole in memory."""
-        assert set(cols) == set(NODE_COLUMNS) | {"anchor_seg"}, sorted(cols)
         g = object.__new__(cls)
-        g._cols, g.lane_parts = cols, lane_parts
-        g.n_groups, g.group_key, g.step_nodes, g.n_nodes = n_groups, group_key, step_nodes, n_nodes
+        g._hold(cols, lane_parts, n_groups, group_key, step_nodes, n_nodes)
         return g
+
+    def _hold(self, cols: dict, lane_parts: PartsOnDisk, n_groups: int, group_key: pd.DataFrame,
+              step_nodes: np.ndarray, n_nodes: int) -> None:
+        assert set(cols) == set(NODE_COLUMNS) | {"anchor_seg"}, sorted(cols)
+        self._cols, self.lane_parts = cols, lane_parts
+        self.n_groups, self.group_key, self.step_nodes, self.n_nodes = n_groups, group_key, step_nodes, n_nodes
 
     def column(self, name: str) -> np.ndarray:
         return self.stretch(name, 0, self.n_nodes)
