@@ -1,7 +1,13 @@
 """Plotly figures for the HTML report, built only from what diagnosis.json says.
 
 Every function takes plain dicts/lists (the JSON), tolerates missing or odd values,
-and returns a `go.Figure` or None when there is nothing honest to draw.
+and returns a figure or None when there is nothing honest to draw.
+
+A figure is plotly's own JSON form, a dict of `data` (the traces) and `layout`, built here as
+plain dicts (`_trace`, `_layout`): plotly.graph_objects checked each property as it was set and
+loaded its validators to do it, 16 MB of the report command's memory held from the first figure
+on, most of the render's cost (#20). plotly.js reads the same JSON; the tests pass every figure
+the reports draw through plotly's validators (tests/test_report.py).
 """
 from __future__ import annotations
 
@@ -12,7 +18,6 @@ import statistics
 from collections import defaultdict
 
 import numpy as np
-import plotly.graph_objects as go
 
 # (breakdown key, legend label, colour, bar pattern). Okabe-Ito colours are
 # colour-blind safe; the patterns keep the stack readable in greyscale/print.
@@ -34,6 +39,11 @@ IDLE_CAUSES: tuple[tuple[str, str, str, str], ...] = (
     ("idle_unattributed", "idle: unattributed", "#9E9E9E", "|"),
 )
 FLAGGED_COLOUR, OTHER_COLOUR = "#CC3311", "#BBBBBB"
+# ColorBrewer's RdBu reversed (plotly.py's "RdBu_r": blue early, red late), as the stops plotly.py
+# writes for that name: plotly.js knows no "RdBu_r", and its own "RdBu" is another scale
+DIVERGING = [[i / 10, c] for i, c in enumerate((
+    "rgb(5,48,97)", "rgb(33,102,172)", "rgb(67,147,195)", "rgb(146,197,222)", "rgb(209,229,240)", "rgb(247,247,247)",
+    "rgb(253,219,199)", "rgb(244,165,130)", "rgb(214,96,77)", "rgb(178,24,43)", "rgb(103,0,31)"))]
 # the critical-path strip's colour per graph part (diagnose/step/graph.py PARTS)
 CRITICAL_COLOURS = {"compute": COMPONENTS[0][2], "communication": COMPONENTS[1][2], "comm_wait": COMPONENTS[1][2],
                     "dataloader": COMPONENTS[3][2], **{k: c for k, _, c, _ in IDLE_CAUSES}}
@@ -92,14 +102,37 @@ def _bar_width(n: int) -> float | None:
     return 0.35 if n <= 2 else None
 
 
-def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
-    fig.update_layout(
+Figure = dict
+"""plotly's JSON form of a figure: {"data": [trace, ...], "layout": {...}}."""
+
+
+def _figure(*traces: dict) -> Figure:
+    return {"data": list(traces), "layout": {}}
+
+
+def _trace(kind: str, **props) -> dict:
+    """A trace as plotly writes it: a property given as None is not set."""
+    return {**{k: v for k, v in props.items() if v is not None}, "type": kind}
+
+
+def _axis(fig: Figure, name: str, **props) -> None:
+    """Set properties of one axis, keeping those it has (plotly's update_xaxes / update_yaxes)."""
+    fig["layout"][name] = {**fig["layout"].get(name, {}), **props}
+
+
+def _layout(fig: Figure, title: str, height: int = 340, **kw) -> Figure:
+    """Every figure's look: no plotly theme (template "none", written as plotly.py writes it),
+    the page's font, a legend below, light grid lines."""
+    axes = {name: kw.pop(name, {}) for name in ("xaxis", "yaxis")}
+    fig["layout"].update(
+        template={"data": {"scatter": [{"type": "scatter"}]}},
         title={"text": plot_text(title), "x": 0, "font": {"size": 14}},
-        template="none", height=height, font={"family": FONT, "size": 12, "color": "#222"},
+        height=height, font={"family": FONT, "size": 12, "color": "#222"},
         margin={"l": 70, "r": 20, "t": 50, "b": 50}, paper_bgcolor="white", plot_bgcolor="white",
         legend={"orientation": "h", "y": -0.2, "traceorder": "normal"}, **kw)
-    fig.update_xaxes(showgrid=False, linecolor="#888", automargin=True)
-    fig.update_yaxes(gridcolor="#e5e5e5", zeroline=True, zerolinecolor="#888", automargin=True)
+    _axis(fig, "xaxis", **{**axes["xaxis"], "showgrid": False, "linecolor": "#888", "automargin": True})
+    _axis(fig, "yaxis", **{**axes["yaxis"], "gridcolor": "#e5e5e5", "zeroline": True, "zerolinecolor": "#888",
+                           "automargin": True})
     return fig
 
 
@@ -163,7 +196,7 @@ def component_label(key: str) -> str:
 
 
 def breakdown_bars(breakdown: list, ranks: list[int] | None = None,
-                   means: dict[int, dict[str, float]] | None = None) -> go.Figure | None:
+                   means: dict[int, dict[str, float]] | None = None) -> Figure | None:
     """Stacked bars: where the mean step went, per rank. means: mean_breakdown(breakdown), where
     the caller has it already (a second one held beside it at 1,024 ranks, #20)."""
     means = mean_breakdown(breakdown) if means is None else means
@@ -173,12 +206,11 @@ def breakdown_bars(breakdown: list, ranks: list[int] | None = None,
     if not means:
         return None
     x = [f"rank {r}" for r in means]
-    fig = go.Figure()
-    for key, label, colour, shape in shown_components(means):
-        fig.add_bar(x=x, y=[m.get(key, 0.0) for m in means.values()], name=label, width=_bar_width(len(x)),
-                    marker={"color": colour, "line": {"color": "#333", "width": 0.5},
-                            "pattern": _pattern(shape)},
-                    hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
+    fig = _figure(*(_trace("bar", x=x, y=[m.get(key, 0.0) for m in means.values()], name=label,
+                           width=_bar_width(len(x)),
+                           marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                           hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
+                    for key, label, colour, shape in shown_components(means)))
     return _layout(fig, "Mean step time per rank, by component (ms)", barmode="stack",
                    yaxis={"title": {"text": "ms per step"}})
 
@@ -196,7 +228,7 @@ def representative_step(breakdown: list) -> int | None:
     return steps[len(steps) // 2]
 
 
-def step_composition(breakdown: list) -> tuple[go.Figure | None, int | None]:
+def step_composition(breakdown: list) -> tuple[Figure | None, int | None]:
     """One step per rank as a horizontal lane, components stacked left to right.
 
     Event-level lanes are not in the JSON, so this shows the composition of the
@@ -211,14 +243,12 @@ def step_composition(breakdown: list) -> tuple[go.Figure | None, int | None]:
         return None, None
     ranks = sorted(rows, reverse=True)  # rank 0 on top, like Perfetto
     y = [f"rank {r}" for r in ranks]
-    fig = go.Figure()
     means = mean_breakdown([rows[r] for r in ranks])  # one step each: its own components, split
-    for key, label, colour, shape in shown_components(means):
-        fig.add_bar(y=y, x=[means.get(r, {}).get(key, 0.0) for r in ranks], name=label, orientation="h",
-                    width=0.6 if len(y) <= 2 else None,
-                    marker={"color": colour, "line": {"color": "#333", "width": 0.5},
-                            "pattern": _pattern(shape)},
-                    hovertemplate=f"%{{y}}<br>{label}: %{{x:.2f}} ms<extra></extra>")
+    fig = _figure(*(_trace("bar", y=y, x=[means.get(r, {}).get(key, 0.0) for r in ranks], name=label,
+                           orientation="h", width=0.6 if len(y) <= 2 else None,
+                           marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                           hovertemplate=f"%{{y}}<br>{label}: %{{x:.2f}} ms<extra></extra>")
+                    for key, label, colour, shape in shown_components(means)))
     height = max(180, min(1400, 110 + 26 * len(ranks)))
     # No x-axis title: the legend sits below and would collide with it; the unit is in the title.
     return _layout(fig, f"Composition of one step (step {step}) per rank, ms — totals, not time order",
@@ -238,7 +268,7 @@ CRITICAL_ROW = "critical path"
 """The strip over the lanes: each stretch of the chain that set the step's end, by part."""
 
 
-def step_timeline(timeline: dict, which: str = "") -> go.Figure | None:
+def step_timeline(timeline: dict, which: str = "") -> Figure | None:
     """One step per rank on a shared, clock-aligned time axis: a mini Perfetto.
 
     Each rank gets one row per lane (host ops on the training thread, compute, communication,
@@ -248,7 +278,7 @@ def step_timeline(timeline: dict, which: str = "") -> go.Figure | None:
     rows = [r for r in (timeline or {}).get("ranks") or [] if isinstance(r, dict) and _rank(r.get("rank")) is not None]
     if not rows:
         return None
-    fig = go.Figure()
+    fig = _figure()
     budget = MAX_TIMELINE_BARS
     has_idle = any((r.get("lanes") or {}).get("idle") for r in rows)
     labels = [label for _, label, _, _ in LANES] + ([IDLE_LANE] if has_idle else [])
@@ -272,25 +302,27 @@ def step_timeline(timeline: dict, which: str = "") -> go.Figure | None:
                 bases.append(start)
                 budget -= 1
         if ys:
-            fig.add_bar(y=ys, x=xs, base=bases, orientation="h", name=name, width=0.8,
-                        marker={"color": colour, "line": {"width": 0}, "pattern": _pattern(shape)},
-                        hovertemplate=f"%{{y}}<br>start %{{base:.2f}} ms, {plot_text(name)} %{{x:.3f}} ms<extra></extra>")
+            fig["data"].append(_trace(
+                "bar", y=ys, x=xs, base=bases, orientation="h", name=name, width=0.8,
+                marker={"color": colour, "line": {"width": 0}, "pattern": _pattern(shape)},
+                hovertemplate=f"%{{y}}<br>start %{{base:.2f}} ms, {plot_text(name)} %{{x:.3f}} ms<extra></extra>"))
     crit = [iv for iv in (timeline.get("critical_path") or [])[:max(budget, 0)]
             if isinstance(iv, list) and len(iv) == 4 and num(iv[0]) is not None and num(iv[1]) is not None]
-    if crit and fig.data:
+    if crit and fig["data"]:
         # the chain that set the step's end, above every rank's lanes: which rank, doing what
         order.append(CRITICAL_ROW)
-        fig.add_bar(y=[CRITICAL_ROW] * len(crit), x=[num(iv[1]) for iv in crit], base=[num(iv[0]) for iv in crit],
-                    orientation="h", name=CRITICAL_ROW, width=0.8,
-                    marker={"color": [CRITICAL_COLOURS.get(str(iv[3]), OTHER_COLOUR) for iv in crit],
-                            "line": {"color": "#000", "width": 1}},
-                    customdata=[[plot_text(f"rank {_rank(iv[2])}"), plot_text(str(iv[3]).removeprefix("idle_"))]
-                                for iv in crit],
-                    hovertemplate="critical path: %{customdata[0]}, %{customdata[1]}<br>start %{base:.2f} ms, "
-                                  "%{x:.3f} ms<extra></extra>")
-    if not fig.data:
+        fig["data"].append(_trace(
+            "bar", y=[CRITICAL_ROW] * len(crit), x=[num(iv[1]) for iv in crit], base=[num(iv[0]) for iv in crit],
+            orientation="h", name=CRITICAL_ROW, width=0.8,
+            marker={"color": [CRITICAL_COLOURS.get(str(iv[3]), OTHER_COLOUR) for iv in crit],
+                    "line": {"color": "#000", "width": 1}},
+            customdata=[[plot_text(f"rank {_rank(iv[2])}"), plot_text(str(iv[3]).removeprefix("idle_"))]
+                        for iv in crit],
+            hovertemplate="critical path: %{customdata[0]}, %{customdata[1]}<br>start %{base:.2f} ms, "
+                          "%{x:.3f} ms<extra></extra>"))
+    if not fig["data"]:
         return None
-    fig.update_yaxes(categoryorder="array", categoryarray=order)
+    _axis(fig, "yaxis", categoryorder="array", categoryarray=order)
     height = max(200, min(1600, 90 + 18 * len(order)))
     step = timeline.get("step")
     which = f" ({which})" if which else ""
@@ -298,18 +330,18 @@ def step_timeline(timeline: dict, which: str = "") -> go.Figure | None:
                    height=height, barmode="overlay")
 
 
-def critical_path_bar(by_part: dict, labels: dict) -> go.Figure | None:
+def critical_path_bar(by_part: dict, labels: dict) -> Figure | None:
     """One horizontal bar: the mean step's critical path split by part (ms)."""
     parts = [(k, num(v)) for k, v in (by_part or {}).items() if num(v) and num(v) > 0]
     if not parts:
         return None
-    colours = CRITICAL_COLOURS
-    fig = go.Figure()
+    fig = _figure()
     for k, v in parts:
         label = plot_text(labels.get(k, k))
-        fig.add_bar(y=["critical path"], x=[v], name=label, orientation="h", width=0.5,
-                    marker={"color": colours.get(k, OTHER_COLOUR), "line": {"color": "#333", "width": 0.5}},
-                    hovertemplate=f"{label}: %{{x:.2f}} ms<extra></extra>")
+        fig["data"].append(_trace(
+            "bar", y=["critical path"], x=[v], name=label, orientation="h", width=0.5,
+            marker={"color": CRITICAL_COLOURS.get(k, OTHER_COLOUR), "line": {"color": "#333", "width": 0.5}},
+            hovertemplate=f"{label}: %{{x:.2f}} ms<extra></extra>"))
     return _layout(fig, "Critical path of the mean step, by part (ms)", height=200, barmode="stack")
 
 
@@ -323,27 +355,28 @@ def per_rank_metric(metrics: dict) -> dict[str, dict[int, float]]:
     return dict(out)
 
 
-def rank_bars(values: dict[int, float], flagged: list[int], title: str, unit: str) -> go.Figure | None:
+def rank_bars(values: dict[int, float], flagged: list[int], title: str, unit: str) -> Figure | None:
     """Per-rank bars; the finding's ranks are coloured AND hatched (readable without colour)."""
     if not values:
         return None
     ranks = sorted(values)
     hit = set(flagged or [])
     x = [f"rank {r}" + (" (flagged)" if r in hit else "") for r in ranks]
-    fig = go.Figure()
+    fig = _figure()
     # one trace per colour: a per-bar colour array under a hatch pattern is invalid to plotly
     # (its overlay takes marker.color as one colour: a console warning, and black bars)
     for flagged_side, colour, shape in ((False, OTHER_COLOUR, ""), (True, FLAGGED_COLOUR, "/")):
         idx = [i for i, r in enumerate(ranks) if (r in hit) == flagged_side]
         if idx:
-            fig.add_bar(x=[x[i] for i in idx], y=[values[ranks[i]] for i in idx], width=_bar_width(len(x)),
-                        marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
-                        hovertemplate=f"%{{x}}: %{{y:.3f}} {unit}<extra></extra>")
-    fig.update_xaxes(categoryorder="array", categoryarray=x)
+            fig["data"].append(_trace(
+                "bar", x=[x[i] for i in idx], y=[values[ranks[i]] for i in idx], width=_bar_width(len(x)),
+                marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                hovertemplate=f"%{{x}}: %{{y:.3f}} {unit}<extra></extra>"))
+    _axis(fig, "xaxis", categoryorder="array", categoryarray=x)
     return _layout(fig, title, showlegend=False, barmode="overlay", yaxis={"title": {"text": unit}})
 
 
-def lateness_heatmap(lateness: dict) -> go.Figure | None:
+def lateness_heatmap(lateness: dict) -> Figure | None:
     """Rank x collective arrival lateness (ms; positive = later than the median rank)."""
     if not isinstance(lateness, dict):
         return None
@@ -354,9 +387,9 @@ def lateness_heatmap(lateness: dict) -> go.Figure | None:
         return None  # a malformed matrix would draw something misleading
     z = [[num(v) for v in row] for row in z]
     big = len(ranks) * len(cols) > 400  # cell labels only while they stay legible
-    fig = go.Figure(go.Heatmap(
-        z=z, x=[plot_text(c) for c in cols], y=[f"rank {plot_text(r)}" for r in ranks],
-        colorscale="RdBu_r", zmid=0, colorbar={"title": {"text": "ms late"}},
+    fig = _figure(_trace(
+        "heatmap", z=z, x=[plot_text(c) for c in cols], y=[f"rank {plot_text(r)}" for r in ranks],
+        colorscale=DIVERGING, zmid=0, colorbar={"title": {"text": "ms late"}},
         texttemplate=None if big else "%{z:.2f}", xgap=1, ygap=1,
         hovertemplate="%{y}, collective %{x}<br>%{z:.3f} ms vs median rank<extra></extra>"))
     height = max(260, min(1400, 120 + 28 * len(ranks)))
@@ -365,7 +398,7 @@ def lateness_heatmap(lateness: dict) -> go.Figure | None:
                    yaxis={"autorange": "reversed", "type": "category"})
 
 
-def over_time_heatmap(over: dict) -> go.Figure | None:
+def over_time_heatmap(over: dict) -> Figure | None:
     """Rank by time: each rank's own time per step (the step less its collectives) per bucket of
     steps, relative to the median rank's in that bucket. In synchronous training every rank's step
     lasts as long as the slowest's, so it is the own time that shows which rank got slow: a bright
@@ -383,8 +416,8 @@ def over_time_heatmap(over: dict) -> go.Figure | None:
            for i in range(len(steps))]
     z = [[(v / j - 1.0) * 100 if v is not None and j else None for v, j in zip(y, job)] for _, y in rows]
     bucket = num(heat.get("bucket_steps")) or 1
-    fig = go.Figure(go.Heatmap(
-        z=z, x=steps, y=[f"rank {r}" for r, _ in rows], customdata=[y for _, y in rows], colorscale="RdBu_r",
+    fig = _figure(_trace(
+        "heatmap", z=z, x=steps, y=[f"rank {r}" for r, _ in rows], customdata=[y for _, y in rows], colorscale=DIVERGING,
         zmid=0, colorbar={"title": {"text": "% vs median rank"}}, ygap=1 if len(rows) <= 64 else 0,
         hovertemplate="%{y}, from step %{x}: own time %{customdata:.1f} ms per step (%{z:+.0f}% vs the median "
                       "rank)<extra></extra>"))
@@ -395,12 +428,12 @@ def over_time_heatmap(over: dict) -> go.Figure | None:
                    yaxis={"autorange": "reversed", "type": "category"})
 
 
-def finding_charts(finding: dict, breakdown: list, extras: dict) -> list[go.Figure]:
+def finding_charts(finding: dict, breakdown: list, extras: dict) -> list[Figure]:
     """The charts that back one finding, most specific first; never empty if data exists."""
     fid = str(finding.get("id", ""))
     ranks = [r for r in (_rank(x) for x in finding.get("ranks") or []) if r is not None]
     per_rank = per_rank_metric(finding.get("metrics") or {})
-    figs: list[go.Figure | None] = []
+    figs: list[Figure | None] = []
     if fid == "straggler":
         figs.append(lateness_heatmap((extras or {}).get("lateness")))
     suffix = FINDING_METRIC.get(fid)
@@ -421,23 +454,22 @@ def finding_charts(finding: dict, breakdown: list, extras: dict) -> list[go.Figu
     return [f for f in figs if f is not None]
 
 
-def diff_breakdown_bars(before: dict, after: dict) -> go.Figure | None:
+def diff_breakdown_bars(before: dict, after: dict) -> Figure | None:
     """Two stacked bars, BEFORE and AFTER: the mean step (over ranks) by component."""
     sides = [(str((x or {}).get("label") or name), (x or {}).get("breakdown_ms"))
              for name, x in (("before", before), ("after", after))]
     if not all(isinstance(b, dict) and any(num(v) is not None for v in b.values()) for _, b in sides):
         return None
     x = [f"{name}: {plot_text(label)}" for name, (label, _) in zip(("before", "after"), sides)]
-    fig = go.Figure()
-    for key, label, colour, shape in COMPONENTS:
-        fig.add_bar(x=x, y=[num(b.get(key)) or 0.0 for _, b in sides], name=label, width=0.35,
-                    marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
-                    hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
+    fig = _figure(*(_trace("bar", x=x, y=[num(b.get(key)) or 0.0 for _, b in sides], name=label, width=0.35,
+                           marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                           hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
+                    for key, label, colour, shape in COMPONENTS))
     return _layout(fig, "Mean step time before and after, by component (ms, mean over ranks)", barmode="stack",
                    yaxis={"title": {"text": "ms per step"}})
 
 
-def over_time_lines(over: dict) -> go.Figure | None:
+def over_time_lines(over: dict) -> Figure | None:
     """The whole run's step time per rank (and the job's, the median over ranks), from the probes'
     every-step record, with the fail-slow change drawn as a vertical line."""
     if not isinstance(over, dict):
@@ -445,27 +477,32 @@ def over_time_lines(over: dict) -> go.Figure | None:
     steps = [num(s) for s in over.get("steps") or []]
     if len(steps) < 2 or any(s is None for s in steps):
         return None
-    fig = go.Figure()
+    fig = _figure()
     for row in over.get("ranks") or []:
         if not isinstance(row, dict) or _rank(row.get("rank")) is None:
             continue
         y = [num(v) for v in row.get("step_ms") or []]
         if len(y) == len(steps):
-            fig.add_scatter(x=steps, y=y, mode="lines", name=f"rank {_rank(row['rank'])}",
-                            line={"width": 1}, opacity=0.7,
-                            hovertemplate=f"rank {_rank(row['rank'])}, step %{{x}}: %{{y:.1f}} ms<extra></extra>")
+            fig["data"].append(_trace(
+                "scatter", x=steps, y=y, mode="lines", name=f"rank {_rank(row['rank'])}", line={"width": 1},
+                opacity=0.7, hovertemplate=f"rank {_rank(row['rank'])}, step %{{x}}: %{{y:.1f}} ms<extra></extra>"))
     job = [num(v) for v in over.get("job_ms") or []]
     if len(job) == len(steps):
-        fig.add_scatter(x=steps, y=job, mode="lines", name="job (median over ranks)",
-                        line={"width": 2.5, "color": "#222", "dash": "dot"},
-                        hovertemplate="job, step %{x}: %{y:.1f} ms<extra></extra>")
-    if not fig.data:
+        fig["data"].append(_trace("scatter", x=steps, y=job, mode="lines", name="job (median over ranks)",
+                                  line={"width": 2.5, "color": "#222", "dash": "dot"},
+                                  hovertemplate="job, step %{x}: %{y:.1f} ms<extra></extra>"))
+    if not fig["data"]:
         return None
     for c in over.get("changes") or []:
         step = num(c.get("step")) if isinstance(c, dict) else None
-        if step is not None:
-            fig.add_vline(x=step, line={"color": FLAGGED_COLOUR, "width": 2, "dash": "dash"},
-                          annotation_text=plot_text(f"slower from step {step:.0f}"), annotation_position="top left")
+        if step is not None:  # a vertical line the plot's height, labelled at its top left (plotly's add_vline)
+            lay = fig["layout"]
+            lay.setdefault("shapes", []).append(
+                {"line": {"color": FLAGGED_COLOUR, "width": 2, "dash": "dash"}, "type": "line", "x0": step, "x1": step,
+                 "xref": "x", "y0": 0, "y1": 1, "yref": "y domain"})
+            lay.setdefault("annotations", []).append(
+                {"showarrow": False, "text": plot_text(f"slower from step {step:.0f}"), "x": step, "xanchor": "right",
+                 "xref": "x", "y": 1, "yanchor": "top", "yref": "y domain"})
     bucket = num(over.get("bucket_steps")) or 1
     title = "Step time over the whole run" + (f" (median of each {bucket:.0f} steps)" if bucket > 1 else "")
     return _layout(fig, title, height=320, xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "ms"}})

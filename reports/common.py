@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import base64
 import functools
-import gzip
 import html
 import json
+import zlib
+from importlib import resources
 
 import plotly.io as pio
 
@@ -22,6 +23,8 @@ MAX_LINES = 200      # warnings / skipped
 STATUS_LABEL = {"flagged": "FLAGGED", "passed": "PASSED", "not_measurable": "NOT MEASURABLE"}
 STATUS_MARK = {"flagged": "✖", "passed": "✔", "not_measurable": "?"}
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
+PLOTLY_JS = "package_data/plotly.min.js"
+"""Where the plotly package keeps plotly.js (what plotly.offline.get_plotlyjs reads)."""
 
 
 def esc(x) -> str:
@@ -49,8 +52,18 @@ def _plotly_js_packed() -> str:
     self-contained file (no plotly partial bundle ships with the Python package, so the page
     cannot embed only the chart types it uses). The browser unpacks it with DecompressionStream
     (Chromium 80, Firefox 113, Safari 16.4); an older browser shows the tables and says why the
-    charts are missing."""
-    return base64.b64encode(gzip.compress(_plotly_js().encode("utf-8"), 9, mtime=0)).decode("ascii")
+    charts are missing.
+    Packed from the package's file a megabyte at a time (gzip.compress(..., mtime=0) is this
+    zlib stream, byte for byte): as one text, plotly.js (a few non-ASCII characters) was held
+    at two bytes a character beside its encoding and the gzip, and the command's highest point
+    was 11 MB higher from here on (measured: /tmp/p2/render_parts.py, see docs/cluster.md)."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: a gzip header (mtime 0) and trailer
+    parts = []
+    with resources.files("plotly").joinpath(PLOTLY_JS).open("rb") as f:
+        while chunk := f.read(1 << 20):
+            parts.append(z.compress(chunk))
+    parts.append(z.flush())
+    return base64.b64encode(b"".join(parts)).decode("ascii")
 
 
 def _dict(x) -> dict:

@@ -5,9 +5,7 @@ self-contained file, every string from the data escaped.
 """
 from __future__ import annotations
 
-import plotly.graph_objects as go
-
-from .charts import FLAGGED_COLOUR, OTHER_COLOUR, _layout, num, plot_text
+from .charts import FLAGGED_COLOUR, OTHER_COLOUR, _figure, _layout, _trace, num, plot_text
 from .common import ChartSet, _dict, _list, esc, fmt_ms, fmt_share, page
 
 LABELS = {
@@ -30,11 +28,11 @@ def _curve(runs: list, cs: ChartSet) -> str:
     ns = [num(r.get("nproc")) for r in runs]
     sp = [num(r.get("speedup")) for r in runs]
     base = ns[0] or 1
-    fig = go.Figure([go.Scatter(x=ns, y=[n / base for n in ns], name="ideal", mode="lines+markers",
-                                line={"dash": "dash", "color": OTHER_COLOUR}, marker={"symbol": "square"}),
-                     go.Scatter(x=ns, y=sp, name="observed", mode="lines+markers+text",
-                                text=[f"{v:.2f}x" if v is not None else "" for v in sp], textposition="top left",
-                                line={"color": FLAGGED_COLOUR}, marker={"symbol": "circle", "size": 10})])
+    fig = _figure(_trace("scatter", x=ns, y=[n / base for n in ns], name="ideal", mode="lines+markers",
+                         line={"dash": "dash", "color": OTHER_COLOUR}, marker={"symbol": "square"}),
+                  _trace("scatter", x=ns, y=sp, name="observed", mode="lines+markers+text",
+                         text=[f"{v:.2f}x" if v is not None else "" for v in sp], textposition="top left",
+                         line={"color": FLAGGED_COLOUR}, marker={"symbol": "circle", "size": 10}))
     # the diagnosis report's look (one theme for every page)
     _layout(fig, "Speedup vs world size (dashed: ideal)", height=380,
             xaxis={"title": {"text": "ranks (N)"}, "tickvals": ns},  # integer world sizes: no 1.2-rank ticks
@@ -47,13 +45,13 @@ def _waterfall(d: dict, cs: ChartSet) -> str:
     ideal, observed = num(d.get("ideal_speedup")), num(d.get("observed_speedup"))
     x = ["ideal"] + [plot_text(_label(b.get("id"))) for b in bars] + ["observed"]
     y = [ideal] + [-(num(b.get("lost_speedup")) or 0.0) for b in bars] + [observed]
-    fig = go.Figure(go.Waterfall(x=x, y=y, measure=["absolute"] + ["relative"] * len(bars) + ["total"],
-                                 text=[f"{v:+.2f}x" if i not in (0, len(y) - 1) else f"{v:.2f}x"
-                                       for i, v in enumerate(v or 0.0 for v in y)],
-                                 textposition="outside", connector={"line": {"color": "#888"}},
-                                 decreasing={"marker": {"color": FLAGGED_COLOUR}},
-                                 increasing={"marker": {"color": "#1e6b33"}},
-                                 totals={"marker": {"color": OTHER_COLOUR}}))
+    fig = _figure(_trace("waterfall", x=x, y=y, measure=["absolute"] + ["relative"] * len(bars) + ["total"],
+                         text=[f"{v:+.2f}x" if i not in (0, len(y) - 1) else f"{v:.2f}x"
+                               for i, v in enumerate(v or 0.0 for v in y)],
+                         textposition="outside", connector={"line": {"color": "#888"}},
+                         decreasing={"marker": {"color": FLAGGED_COLOUR}},
+                         increasing={"marker": {"color": "#1e6b33"}},
+                         totals={"marker": {"color": OTHER_COLOUR}}))
     _layout(fig, "Where the speedup went: ideal -> each cause -> observed", height=420, showlegend=False,
             yaxis={"title": {"text": "speedup"}})
     return cs.add(fig, "lost speedup waterfall")

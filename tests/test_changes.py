@@ -197,8 +197,8 @@ def test_the_rank_by_time_heatmap_is_each_ranks_steps_bucketed_against_the_job()
     extra = {"heat": {"bucket_steps": o.heat_bucket, "steps": list(o.heat_steps),
                       "ranks": [{"rank": r, "own_ms": list(v)} for r, v in o.heat.items()]}}
     fig = over_time_heatmap(extra)
-    z = fig.data[0].z
-    rank1 = list(fig.data[0].y).index("rank 1")
+    z = fig["data"][0]["z"]
+    rank1 = fig["data"][0]["y"].index("rank 1")
     for i in (0, len(o.heat_steps) - 1):  # two ranks: the median is their mean
         mid = (o.heat[0][i] + o.heat[1][i]) / 2
         assert z[rank1][i] == pytest.approx((o.heat[1][i] / mid - 1) * 100, abs=1e-6)

@@ -225,25 +225,25 @@ def test_idle_causes_replace_other_in_the_step_chart_and_timeline():
     from diagnose.reports import charts
     d = diagnosis_json("hta_sampled_2rank_of128")
     fig = charts.breakdown_bars(d["breakdown"])
-    names = [t.name for t in fig.data]
+    names = [t["name"] for t in fig["data"]]
     assert "idle: waiting for launches" in names and "idle: work queued, waiting" in names
     assert "other / idle" not in names  # fully split on a GPU run
     # the stack still adds up to each rank's mean step
     means = charts.mean_breakdown(d["breakdown"])
     for i, r in enumerate(sorted(means)):
-        assert sum(t.y[i] for t in fig.data) == pytest.approx(means[r]["step_ms"], rel=1e-6)
+        assert sum(t["y"][i] for t in fig["data"]) == pytest.approx(means[r]["step_ms"], rel=1e-6)
     tl = charts.step_timeline(d["extras"]["timeline"])
-    lanes = {y for t in tl.data for y in t.y}
+    lanes = {y for t in tl["data"] for y in t["y"]}
     assert {"rank 0 · device idle", "rank 0 · host ops"} <= lanes
-    idle_bars = [t for t in tl.data if t.y and t.y[0].endswith("device idle")]
-    assert {t.name for t in idle_bars} >= {"idle: waiting for launches", "idle: work queued, waiting"}
+    idle_bars = [t for t in tl["data"] if t["y"] and t["y"][0].endswith("device idle")]
+    assert {t["name"] for t in idle_bars} >= {"idle: waiting for launches", "idle: work queued, waiting"}
 
 
 def test_cpu_run_keeps_other_as_one_component():
     from diagnose.reports import charts
     trace_set("edge_hta_cpu_only_gloo_rank34of300")
     d = diagnosis_json("edge_hta_cpu_only_gloo_rank34of300")
-    names = [t.name for t in charts.breakdown_bars(d["breakdown"]).data]
+    names = [t["name"] for t in charts.breakdown_bars(d["breakdown"])["data"]]
     assert "other / idle" in names
     assert not any(n.startswith("idle:") for n in names)
 
@@ -419,3 +419,59 @@ def test_mean_breakdown_sums_as_it_goes_and_gives_the_lists_means():
     got = C.mean_breakdown(rows)
     assert got == by_lists(rows) and sorted(got) == list(range(6))
     assert any("idle_sync" in m for m in got.values()) and all("idle_unknown_class" not in m for m in got.values())
+
+
+def page_figures(page: str) -> list[dict]:
+    """The figures a page draws, as the page holds them (plotly's JSON)."""
+    import json
+
+    m = re.search(r"var figs = (\[.*?\]), cfg = ", page, re.S)
+    assert m, "no figures on the page"
+    return json.loads(m.group(1))
+
+
+def test_every_figure_is_one_plotly_accepts_and_writes_back_as_it_is():
+    """The reports build their figures as plain dicts (reports/charts.py: plotly.graph_objects
+    cost 16 MB of the command's memory to check them as they were made, #20): each one drawn
+    here, every kind the reports draw (stacked and overlaid bars, the timeline and its critical
+    path, both heatmaps, the whole run's lines and its change line, the scaling curve and
+    waterfall, the diff's bars), goes through plotly's own validators, which refuse any property
+    plotly does not know or a value of the wrong kind, and plotly writes it back unchanged."""
+    import json
+
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    from diagnose.diff import diff_diagnoses
+    from diagnose.output import diagnosis_dict
+    from diagnose.reports.diff import render_diff
+    from diagnose.reports.scaling import render_scaling
+    from diagnose.scaling import ScalePoint, account
+    from diagnose.scaling_output import scaling_dict
+    from tests.conftest import fixture_diagnosis
+
+    fixtures = Path(__file__).parent / "fixtures"
+    pages = [render(diagnosis_json(n)) for n in ("param_dlrm_8rank_v100", "hta_sampled_2rank_of128")]
+    pages += [render(diagnosis_dict(fixture_diagnosis(fixtures / n)))
+              for n in ("cpu_straggler_2rank", "cpu_checkpoint_2rank", "gpu_h200/none_long")]
+    pages.append(render_diff(diff_diagnoses(_diagnosis("kineto_resnet50_dataloader_v100/nw0"),
+                                            _diagnosis("kineto_resnet50_dataloader_v100/nw4"))))
+
+    def point(n, step, causes):
+        return ScalePoint(nproc=n, step_ms=step, step_source="probe steps", per_rank_batch=32,
+                          throughput=n * 32 / step * 1000, speedup=1.0, efficiency=1.0, run_dir=f"n{n}",
+                          trace_step_ms=step, causes_ms=causes, compute_ms=100.0, replayed_step_ms=step,
+                          causes_from="replay")
+
+    pages.append(render_scaling(scaling_dict(account({1: point(1, 100.0, {"straggler": 0.0}),
+                                                      2: point(2, 180.0, {"straggler": 60.0})},
+                                                     ranks_by_cause={"straggler": (1,)}))))
+    kinds = set()
+    for page in pages:
+        for fig in page_figures(page):
+            assert json.loads(pio.to_json(go.Figure(fig), validate=False)) == fig
+            kinds |= {t["type"] for t in fig["data"]} | {s["type"] for s in fig["layout"].get("shapes", [])}
+    assert kinds == {"bar", "heatmap", "scatter", "waterfall", "line"}
+    # and a property plotly does not know is refused: the check above can fail
+    with pytest.raises(ValueError):
+        go.Figure({"data": [{"type": "bar", "colour": "red"}], "layout": {}})
