@@ -55,8 +55,8 @@ def _plotly_js_packed() -> str:
     charts are missing.
     Packed from the package's file a megabyte at a time (gzip.compress(..., mtime=0) is this
     zlib stream, byte for byte): as one text, plotly.js (a few non-ASCII characters) was held
-    at two bytes a character beside its encoding and the gzip, and the command's highest point
-    was 11 MB higher from here on (measured: /tmp/p2/render_parts.py, see docs/cluster.md)."""
+    at two bytes a character beside its encoding and the gzip: 17 MB more at the highest point
+    and 11 MB held after, against 5 and 2 (the report command's memory, docs/cluster.md)."""
     z = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: a gzip header (mtime 0) and trailer
     parts = []
     with resources.files("plotly").joinpath(PLOTLY_JS).open("rb") as f:
