@@ -97,6 +97,11 @@ def _pattern(shape) -> dict:
     return {"shape": shape, "fillmode": "overlay", "fgcolor": "rgba(0,0,0,0.6)", "size": 7, "solidity": 0.2}
 
 
+def _bar_marker(colour: str, shape: str) -> dict:
+    """A stacked bar's fill: its colour, a thin dark outline, its hatch."""
+    return {"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)}
+
+
 def _bar_width(n: int) -> float | None:
     # Plotly stretches one or two bars across the whole plot; keep them bar-shaped.
     return 0.35 if n <= 2 else None
@@ -208,7 +213,7 @@ def breakdown_bars(breakdown: list, ranks: list[int] | None = None,
     x = [f"rank {r}" for r in means]
     fig = _figure(*(_trace("bar", x=x, y=[m.get(key, 0.0) for m in means.values()], name=label,
                            width=_bar_width(len(x)),
-                           marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                           marker=_bar_marker(colour, shape),
                            hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
                     for key, label, colour, shape in shown_components(means)))
     return _layout(fig, "Mean step time per rank, by component (ms)", barmode="stack",
@@ -246,7 +251,7 @@ def step_composition(breakdown: list) -> tuple[Figure | None, int | None]:
     means = mean_breakdown([rows[r] for r in ranks])  # one step each: its own components, split
     fig = _figure(*(_trace("bar", y=y, x=[means.get(r, {}).get(key, 0.0) for r in ranks], name=label,
                            orientation="h", width=0.6 if len(y) <= 2 else None,
-                           marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                           marker=_bar_marker(colour, shape),
                            hovertemplate=f"%{{y}}<br>{label}: %{{x:.2f}} ms<extra></extra>")
                     for key, label, colour, shape in shown_components(means)))
     height = max(180, min(1400, 110 + 26 * len(ranks)))
@@ -370,7 +375,7 @@ def rank_bars(values: dict[int, float], flagged: list[int], title: str, unit: st
         if idx:
             fig["data"].append(_trace(
                 "bar", x=[x[i] for i in idx], y=[values[ranks[i]] for i in idx], width=_bar_width(len(x)),
-                marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                marker=_bar_marker(colour, shape),
                 hovertemplate=f"%{{x}}: %{{y:.3f}} {unit}<extra></extra>"))
     _axis(fig, "xaxis", categoryorder="array", categoryarray=x)
     return _layout(fig, title, showlegend=False, barmode="overlay", yaxis={"title": {"text": unit}})
@@ -417,8 +422,9 @@ def over_time_heatmap(over: dict) -> Figure | None:
     z = [[(v / j - 1.0) * 100 if v is not None and j else None for v, j in zip(y, job)] for _, y in rows]
     bucket = num(heat.get("bucket_steps")) or 1
     fig = _figure(_trace(
-        "heatmap", z=z, x=steps, y=[f"rank {r}" for r, _ in rows], customdata=[y for _, y in rows], colorscale=DIVERGING,
-        zmid=0, colorbar={"title": {"text": "% vs median rank"}}, ygap=1 if len(rows) <= 64 else 0,
+        "heatmap", z=z, x=steps, y=[f"rank {r}" for r, _ in rows], customdata=[y for _, y in rows],
+        colorscale=DIVERGING, zmid=0, colorbar={"title": {"text": "% vs median rank"}},
+        ygap=1 if len(rows) <= 64 else 0,
         hovertemplate="%{y}, from step %{x}: own time %{customdata:.1f} ms per step (%{z:+.0f}% vs the median "
                       "rank)<extra></extra>"))
     height = max(260, min(1400, 120 + (18 if len(rows) <= 64 else 4) * len(rows)))
@@ -462,7 +468,7 @@ def diff_breakdown_bars(before: dict, after: dict) -> Figure | None:
         return None
     x = [f"{name}: {plot_text(label)}" for name, (label, _) in zip(("before", "after"), sides)]
     fig = _figure(*(_trace("bar", x=x, y=[num(b.get(key)) or 0.0 for _, b in sides], name=label, width=0.35,
-                           marker={"color": colour, "line": {"color": "#333", "width": 0.5}, "pattern": _pattern(shape)},
+                           marker=_bar_marker(colour, shape),
                            hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
                     for key, label, colour, shape in COMPONENTS))
     return _layout(fig, "Mean step time before and after, by component (ms, mean over ranks)", barmode="stack",

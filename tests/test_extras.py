@@ -114,3 +114,75 @@ def test_the_lateness_pivot_is_pandas_pivot_table():
         r, c, m = _pivot_mean(rows, cols, values)
         assert r.tolist() == want.index.tolist() and c.tolist() == want.columns.tolist(), trial
         assert m.shape == want.shape and np.array_equal(m, want.to_numpy(dtype=float), equal_nan=True), trial
+
+
+def _copying_clean(x):
+    """output._clean as it was, copying every list, dict and text: the oracle."""
+    import math
+
+    from diagnose.model import Grid
+
+    if isinstance(x, Grid):
+        return _copying_clean(x.tolist())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, str):
+        return x.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(x, dict):
+        return {str(k): _copying_clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_copying_clean(v) for v in x]
+    return x
+
+
+def test_clean_copies_only_what_it_changes():
+    """diagnosis.json's cleaning returns what needs no change as it is (#20: copying the report's
+    timeline lanes twice was most of the JSON's memory): the same JSON as a cleaning that copies
+    everything, on random nests of what a Diagnosis holds, and the same objects where nothing
+    changed."""
+    import random
+
+    from diagnose.model import Grid
+    from diagnose.output import _clean
+
+    rng = random.Random(20)
+    leaves = [1.5, float("nan"), float("inf"), -0.0, 3, True, None, "ok", "rank 7 · x", "bad \udcff name",
+              "naïve"]
+
+    def nest(depth: int):
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice(leaves)
+        kind = rng.randrange(5)
+        if kind == 0:
+            return {rng.choice(["a", "b", "c", 4, "d"]): nest(depth - 1) for _ in range(rng.randrange(4))}
+        if kind == 1:
+            return tuple(nest(depth - 1) for _ in range(rng.randrange(4)))
+        if kind == 2:
+            return Grid([[rng.choice([1.0, float("nan")]) for _ in range(2)] for _ in range(2)])
+        return [nest(depth - 1) for _ in range(rng.randrange(5))]
+
+    for _ in range(2000):
+        x = nest(4)
+        assert orjson.dumps(_clean(x)) == orjson.dumps(_copying_clean(x))
+    clean = {"a": [[1.0, 2.5], [3.0, 0.5]], "b": {"c": "text", "d": [1, None, True]}, "e": "naïve"}
+    out = _clean(clean)
+    assert out is clean and out["a"][1] is clean["a"][1]
+    dirty = {"a": [[1.0, float("nan")], [3.0, 0.5]], "b": ("x",)}
+    out = _clean(dirty)
+    assert out == {"a": [[1.0, None], [3.0, 0.5]], "b": ["x"]} and out["a"][1] is dirty["a"][1]
+
+
+def test_diagnosis_dict_shares_the_extras_and_writes_the_same_json():
+    """The JSON's extras are the Diagnosis's own lists where they are JSON already; the file is
+    the one a deep copy gives."""
+    import copy
+    from dataclasses import replace
+
+    d = diagnose_paths([Path(__file__).parent / "fixtures" / "cpu_straggler_2rank"], jobs=1)
+    body = diagnosis_dict(d)
+    lanes = d.extras["timeline"]["ranks"][0]["lanes"]
+    key = next(k for k, v in lanes.items() if v)
+    assert body["extras"]["timeline"]["ranks"][0]["lanes"][key] is lanes[key]
+    copied = diagnosis_dict(replace(d, extras=copy.deepcopy(d.extras)))
+    option = orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+    assert orjson.dumps(body, option=option) == orjson.dumps(copied, option=option)
