@@ -178,7 +178,9 @@ def test_diagnosis_dict_shares_the_extras_and_writes_the_same_json():
     import copy
     from dataclasses import replace
 
-    d = diagnose_paths([Path(__file__).parent / "fixtures" / "cpu_straggler_2rank"], jobs=1)
+    from tests.conftest import fixture_diagnosis
+
+    d = fixture_diagnosis(Path(__file__).parent / "fixtures" / "cpu_straggler_2rank")  # read, not changed
     body = diagnosis_dict(d)
     lanes = d.extras["timeline"]["ranks"][0]["lanes"]
     key = next(k for k, v in lanes.items() if v)
