@@ -48,7 +48,7 @@ def diagnosis_dict(d: Diagnosis) -> dict:
     """The Diagnosis as diagnosis.json holds it. Its extras are the Diagnosis's own dicts and
     lists wherever they are already JSON (not copied: read it, do not change it): copied twice
     (asdict, then _clean), the report's timeline lanes alone took the JSON's making 13 MB above
-    the analysis at 256 ResNet-50 ranks, against 1 now (docs/cluster.md)."""
+    the analysis at 256 ResNet-50 ranks, against 1 now (docs/cluster-memory-log.md)."""
     body = asdict(replace(d, breakdown=(), extras={}))  # the rows one at a time below, not deep-copied first
     body["breakdown"] = [asdict(s) for s in d.breakdown]
     return _clean({

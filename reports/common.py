@@ -56,7 +56,7 @@ def _plotly_js_packed() -> str:
     Packed from the package's file a megabyte at a time (gzip.compress(..., mtime=0) is this
     zlib stream, byte for byte): as one text, plotly.js (a few non-ASCII characters) was held
     at two bytes a character beside its encoding and the gzip: 17 MB more at the highest point
-    and 11 MB held after, against 5 and 2 (the report command's memory, docs/cluster.md)."""
+    and 11 MB held after, against 5 and 2 (the report command's memory, docs/cluster-memory-log.md)."""
     z = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: a gzip header (mtime 0) and trailer
     parts = []
     with resources.files("plotly").joinpath(PLOTLY_JS).open("rb") as f:

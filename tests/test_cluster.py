@@ -254,6 +254,44 @@ def test_the_command_line_with_a_local_cluster(tmp_path):
     assert written == as_json(diagnose_paths([DLRM]))
 
 
+def test_the_documented_deployment_a_scheduler_and_a_worker_a_host(tmp_path):
+    """docs/cluster.md's deployment as written: `dask scheduler`, then `dask worker ... --nthreads 1
+    --memory-limit 0` started apart for each host (one process each here, where the docs say as
+    many as the host's free cores), each worker's environment naming its own disk, and the
+    command in a process of its own: not a LocalCluster the client starts and knows."""
+    disks = two_hosts(tmp_path, range(0, 4), range(4, 7))  # rank 7 on neither host
+    where = tmp_path / "scheduler.json"
+    dask = [sys.executable, "-m", "dask"]
+    procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address",
+                                      ":0", "--scheduler-file", str(where)],
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        for disk in disks:
+            procs.append(subprocess.Popen(
+                dask + ["worker", "--scheduler-file", str(where), "--nthreads", "1", "--nworkers", "1",
+                        "--memory-limit", "0", "--no-dashboard"],
+                env={**os.environ, "DIAGNOSE_TEST_DISK": str(disk)}, start_new_session=True,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with distributed.Client(scheduler_file=str(where), timeout=60) as c:
+            c.wait_for_workers(2, timeout=60)
+            address = c.scheduler.address
+        res = subprocess.run([sys.executable, "-m", "diagnose.cli", "analyze", "--cluster", address,
+                              "--local-path", DISK, "--out", str(tmp_path / "out")],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the worker's nanny and its process with it
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"cluster {address}: 7 file(s) read on 2 of 2 worker(s)" in res.stdout + res.stderr
+    written = orjson.loads((tmp_path / "out" / "diagnosis.json").read_bytes())
+    assert written == as_json(diagnose_paths([d / "traces" for d in disks]))
+    assert any("missing rank(s) 7" in w for w in written["warnings"])
+
+
 def test_dasks_own_logs_are_kept_short_while_connected():
     """Dask keeps its last 1,000 messages on each stream, and its transitions, for its debugging:
     the client kept every task it sent, and a LocalCluster's scheduler (in the client's process)

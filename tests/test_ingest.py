@@ -483,3 +483,70 @@ def test_the_checks_read_each_ranks_summary_back_with_repeated_names_shared():
     # one rank at a time, for checks that fold them into one table (the straggler's op diff)
     each = ctx.facts_each("straggler")
     assert next(each)[0] == run.ranks[0] and dict(ctx.facts_each("straggler")) == ops
+
+
+class _Timeline:
+    """Just what _align_clocks reads of a rank's timeline: its collectives."""
+
+    def __init__(self, c: pd.DataFrame) -> None:
+        self.c = c
+
+    def own_collectives(self) -> pd.DataFrame:
+        return self.c
+
+
+class _Trace:
+    def __init__(self, host) -> None:
+        self.meta = {"host_name": host}
+
+
+def _joined_offsets(run_tl, traces) -> tuple[dict[int, float], list[str]]:
+    """_align_clocks as it was, by a pandas join (the oracle), for ranks on hosts of their own."""
+    ref = min(run_tl)
+    ref_c = run_tl[ref].own_collectives().set_index(["step", "pg", "seq"])["end"]
+    offsets, warnings = {r: 0.0 for r in run_tl}, []
+    if ref_c.empty:
+        return offsets, ["ranks on several hosts and no collectives to align their clocks on: "
+                         "cross-host timings are unaligned"]
+    for r, tl in run_tl.items():
+        if r == ref:
+            continue
+        mine = tl.own_collectives().set_index(["step", "pg", "seq"])["end"]
+        joined = pd.concat([ref_c.rename("ref"), mine.rename("me")], axis=1, join="inner")
+        if len(joined) == 0:
+            continue
+        diff = (joined["ref"] - joined["me"]).to_numpy()
+        off = float(np.median(diff))
+        spread = float(np.median(np.abs(diff - off)))
+        if abs(off) > max(50.0, 5 * spread):
+            offsets[r] = off
+            warnings.append(f"rank {r}: clock offset {off / 1000:.3f} ms vs rank {ref} "
+                            f"(from {len(joined)} matched collectives) applied")
+    return offsets, warnings
+
+
+def test_clock_offsets_match_the_pandas_join_they_replaced():
+    from diagnose.ingest.assemble import _align_clocks
+
+    rng = np.random.default_rng(7)
+    applied = 0
+    for trial in range(80):
+        n = int(rng.integers(2, 7))
+        run_tl, traces = {}, {}
+        for r in range(n):
+            k = int(rng.integers(0, 12))
+            steps = rng.integers(0, 3, k)
+            pgs = rng.choice(["default", "0", "tp:1"], k)
+            c = pd.DataFrame({"step": steps.astype(np.int64), "pg": pgs.astype(object)})
+            c["seq"] = c.groupby(["step", "pg"]).cumcount()
+            skew = float(rng.choice([0.0, 30.0, 5_000.0, -20_000.0]))
+            c["end"] = c["seq"] * 1000.0 + c["step"] * 1e5 + skew + rng.normal(0, 5, k)
+            if k and rng.random() < 0.2:
+                c.loc[c.index[0], "end"] = np.nan
+            c = c.sample(frac=1.0, random_state=trial)  # not in key order
+            run_tl[r], traces[r] = _Timeline(c), _Trace(f"host{r}")
+        warnings: list[str] = []
+        got = _align_clocks(run_tl, traces, warnings)
+        assert (got, warnings) == _joined_offsets(run_tl, traces)
+        applied += len(warnings)
+    assert applied > 20  # the skews were applied often enough to compare

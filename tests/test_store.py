@@ -118,3 +118,31 @@ def test_an_outcome_travels_from_where_it_was_read_and_a_kept_rank_does_not(monk
     kept = _load(FIXTURES / "cpu_straggler_2rank", True, monkeypatch)[0]
     with pytest.raises(TypeError):
         pickle.dumps(kept)
+
+
+class _Positions:
+    """Rows that give back the position they were asked for: what ByRank looks up, bare."""
+
+    def timeline(self, p: int) -> int:
+        return p
+
+
+@pytest.mark.parametrize("ranks", [[0, 1, 2, 3], [4, 5, 6], [0, 2, 3, 7], [5], []])
+def test_by_rank_is_a_mapping_of_exactly_its_ranks(ranks):
+    """Contiguous ranks are found by arithmetic, others by a search: the same answers either way."""
+    positions = {r: 10 * i for i, r in enumerate(reversed(ranks))}  # arrival order is not rank order
+    m = ByRank(_Positions(), "timeline", positions)
+    assert list(m) == sorted(ranks) and len(m) == len(ranks)
+    for r in range(-2, 10):
+        for key in (r, np.int64(r), np.int32(r)):
+            assert (key in m) == (r in positions)
+            if r in positions:
+                assert m[key] == positions[r]
+            else:
+                with pytest.raises(KeyError):
+                    m[key]
+    for bad in (True, False, 1.0, "1", None):
+        assert bad not in m
+        with pytest.raises(KeyError):
+            m[bad]
+    assert m.get(99, "none") == "none"

@@ -402,7 +402,7 @@ def gather_collectives(timelines: dict[int, RankTimeline]) -> dict[str, np.ndarr
                 v[:] = [texts.setdefault(x, x) if isinstance(x, str) else x for x in v]
             out[col].add(v)
         out["rank"].add(np.full(int(keep.sum()), r, dtype=np.int64))
-        out["dur"].add((c["end"] - c["arrival"]).to_numpy()[keep])
+        out["dur"].add((c["end"].to_numpy() - c["arrival"].to_numpy())[keep])  # numpy's: a Series' costs 0.1 ms
         del c, keep, v
     return {c: out.pop(c).array() for c in cols} if out["step"].n else {}
 
