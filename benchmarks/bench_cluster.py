@@ -14,7 +14,7 @@ child; the workers' are theirs) after the analysis and after its outputs are wri
 `diagnose analyze` writes them (diagnosis.json, report.html: the command's own peak), and how much
 each grew per added rank, the bytes that travelled back
 per rank, and the client's own work after the last file arrived (assembly and the checklist: what
-more workers cannot shorten).
+more workers cannot shorten); then, from these per-rank costs, what 64 workers would take (`_at_64`).
 
     python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks
     python benchmarks/bench_cluster.py --ranks 64        # a quick look
@@ -83,13 +83,13 @@ def measure(kind: str, target: str) -> dict:
     from diagnose.pipeline import diagnose_paths
 
     start_s = 0.0
-    last = [0.0]  # when the last file's result arrived: the rest is the client's own work
+    last = [0.0, 0.0]  # when the last file's result arrived (wall, this process's CPU): the rest is the client's own work
 
     def seen(done: int, n: int, name: str) -> None:
-        last[0] = time.perf_counter()
+        last[:] = [time.perf_counter(), time.process_time()]
 
     if kind == "local":
-        t = time.perf_counter()
+        t, cpu0 = time.perf_counter(), time.process_time()
         d = diagnose_paths([target], jobs=2, progress=seen)
         wall = time.perf_counter() - t
         back = None
@@ -99,7 +99,7 @@ def measure(kind: str, target: str) -> dict:
         t0 = time.perf_counter()
         with connect("local:2") as reader:
             start_s = time.perf_counter() - t0
-            t = time.perf_counter()
+            t, cpu0 = time.perf_counter(), time.process_time()
             d = diagnose_paths([target], reader=reader, progress=seen)
             wall = time.perf_counter() - t
             back = reader.stats.bytes_back / max(reader.stats.files, 1)
@@ -118,6 +118,7 @@ def measure(kind: str, target: str) -> dict:
         write_report(d, Path(out))
     return {"wall_s": wall, "start_s": start_s, "client_cpu_s": ru.ru_utime + ru.ru_stime,
             "after_read_s": t + wall - last[0] if last[0] else None, "peak_mb": analysed_mb,
+            "intake_cpu_s": last[1] - cpu0 if last[0] else None,
             "peak_out_mb": _peak_mb(), "bytes_per_rank": back, "ranks": len(d.run.ranks_found),
             "top": d.top.id if d.top else None}
 
@@ -341,9 +342,34 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for n, lo, cl in rows:
         print("| " + " | ".join(_cells(n, lo, cl)) + " |")
-    for line in _growth(rows):
+    for line in _growth(rows) + _at_64(rows):
         print(line)
     return 0
+
+
+WORKERS_HERE, WORKERS_THERE = 2, 64
+
+
+def _at_64(rows: list[tuple[int, dict, dict]]) -> list[str]:
+    """What a cluster of 64 workers would take, from the per-rank costs measured here (#20: an
+    estimate, not a measurement). Reading: the workers' time a rank (the cluster run's wall until
+    the last file, times the workers here, over the ranks: an upper bound, the client shared the
+    two cores) spread over 64. Taking the results in: the client's CPU until the last file (Dask's
+    handling of each result, with a LocalCluster its scheduler's too, and the client's own
+    keeping of it), which more workers do not spread. The slower of the two, then the client's
+    own work after the last file."""
+    out = []
+    for n, _, cl in rows:
+        if not {"wall_s", "after_read_s", "intake_cpu_s"} <= cl.keys() or None in (cl["after_read_s"], cl["intake_cpu_s"]):
+            continue
+        read_rank = (cl["wall_s"] - cl["after_read_s"]) * WORKERS_HERE / n
+        intake_rank = cl["intake_cpu_s"] / n
+        read, intake = n * read_rank / WORKERS_THERE, n * intake_rank
+        out.append(f"{n} ranks on {WORKERS_THERE} workers (estimated from the per-rank costs here): reading "
+                   f"{read:.1f} s ({1e3 * read_rank:.0f} ms a rank here, over {WORKERS_THERE}), the client taking "
+                   f"the results in {intake:.1f} s ({1e3 * intake_rank:.1f} ms of CPU a rank), then its own work "
+                   f"{cl['after_read_s']:.1f} s: about {max(read, intake) + cl['after_read_s']:.1f} s")
+    return out
 
 
 def _growth(rows: list[tuple[int, dict, dict]]) -> list[str]:

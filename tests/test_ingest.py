@@ -550,3 +550,34 @@ def test_clock_offsets_match_the_pandas_join_they_replaced():
         assert (got, warnings) == _joined_offsets(run_tl, traces)
         applied += len(warnings)
     assert applied > 20  # the skews were applied often enough to compare
+
+
+def test_a_spill_reads_back_what_was_put_whatever_the_order_of_puts_and_reads():
+    """Puts go to the file's end without a seek while nothing was read in between (each seek
+    flushed the buffered writes: 15 a rank as the ranks arrive); reads in between move the
+    position, and the next put must still land at the end."""
+    from diagnose.ingest.spill import Spill, SpilledArray, SpilledMap, array_stretch
+
+    def same(h, want) -> bool:
+        if isinstance(h, SpilledArray):
+            return np.array_equal(array_stretch(h), want)
+        return (dict(h) if isinstance(h, SpilledMap) else unspilled(h)) == want
+
+    rng = np.random.default_rng(3)
+    spill, kept = Spill(), []
+    for i in range(400):
+        what = rng.integers(0, 4)
+        if what == 0:
+            obj = {"i": i, "x": rng.random(int(rng.integers(0, 50))).tolist()}
+            kept.append((spill.put(obj), obj))
+        elif what == 1:
+            a = rng.integers(-9, 9, int(rng.integers(0, 3000)))
+            kept.append((spill.put_array(a), a))
+        elif what == 2:  # values past the file's 8 KiB write buffer too
+            d = {f"k{j}": "v" * int(rng.integers(0, 20000)) for j in range(int(rng.integers(1, 4)))}
+            kept.append((spill.put_map(d), d))
+        elif kept:  # a read in between
+            assert same(*kept[int(rng.integers(0, len(kept)))])
+    assert all(same(h, want) for h, want in kept)
+    assert sum(isinstance(h, (SpilledArray, SpilledMap)) for h, _ in kept) > 100  # on disk, not kept as given
+    assert spill._file is not None and spill._file.seek(0, 2) == spill._end

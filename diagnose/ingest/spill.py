@@ -46,6 +46,8 @@ class Spill:
     def __init__(self) -> None:
         self._file: IO[bytes] | None = None
         self._broken = False
+        self._end = 0  # the file's length: each put goes there
+        self._at_end = True  # the file's position is its end (no read since the last put)
         self._keys: dict[tuple[str, ...], tuple[str, ...]] = {}  # one tuple for the ranks' equal keys
 
     def put(self, obj: Any) -> Any:
@@ -89,17 +91,22 @@ class Spill:
         try:
             if self._file is None:
                 self._file = tempfile.TemporaryFile(prefix="diagnose-spill-")
-            at = self._file.seek(0, 2)
+            if not self._at_end:  # a seek flushes the writes buffered: only after a read
+                self._file.seek(self._end)
+                self._at_end = True
+            at = self._end
             self._file.write(data)
         except OSError:
             self._broken = True
             return None
+        self._end = at + len(data)
         return at
 
     def read(self, at: int, size: int) -> bytes:
         assert self._file is not None
         self._file.flush()
         self._file.seek(at)
+        self._at_end = False
         return self._file.read(size)
 
 
