@@ -7,7 +7,10 @@ temporary directory. Then, each in its own child process (so peaks do not mix), 
 
 - local: diagnose.pipeline.diagnose_paths, the single-machine path (its own pool of 2 processes);
 - cluster: the same through a LocalCluster of 2 worker processes started in that child
-  (diagnose_paths(..., reader=DaskReader)); the cluster's start is timed apart.
+  (diagnose_paths(..., reader=DaskReader)); the cluster's start is timed apart;
+- remote: the same through a scheduler and 2 workers each started as a process of its own, as
+  docs/cluster.md deploys them (`deployed`): the client then does only the client's work, where a
+  LocalCluster's scheduler shares its process (and its CPU and memory).
 
 Prints wall times, the ratio cluster / local, the client's peak resident memory (VmHWM of the
 child; the workers' are theirs) after the analysis and after its outputs are written as
@@ -16,7 +19,8 @@ each grew per added rank, the bytes that travelled back
 per rank, and the client's own work after the last file arrived (assembly and the checklist: what
 more workers cannot shorten); then, from these per-rank costs, what 64 workers would take (`_at_64`).
 
-    python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks
+    python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks, the three paths
+    python benchmarks/bench_cluster.py --paths local,remote   # without the LocalCluster
     python benchmarks/bench_cluster.py --ranks 64        # a quick look
     python benchmarks/bench_cluster.py --per-file 256    # one file's CPU: local pool against a worker
     python benchmarks/bench_cluster.py --phases 512      # the client's Python memory by phase
@@ -54,6 +58,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
@@ -94,10 +99,12 @@ def measure(kind: str, target: str) -> dict:
         wall = time.perf_counter() - t
         back = None
     else:
+        from contextlib import nullcontext
+
         from diagnose.ingest.cluster import connect
 
         t0 = time.perf_counter()
-        with connect("local:2") as reader:
+        with (deployed(2) if kind == "remote" else nullcontext("local:2")) as address, connect(address) as reader:
             start_s = time.perf_counter() - t0
             t, cpu0 = time.perf_counter(), time.process_time()
             d = diagnose_paths([target], reader=reader, progress=seen)
@@ -264,6 +271,40 @@ def resident_of(target: str, kind: str = "local") -> None:
         prev = rss
 
 
+@contextmanager
+def deployed(workers: int):
+    """A scheduler and `workers` workers, each a process of its own started as docs/cluster.md
+    deploys them (`dask scheduler`, `dask worker ... --nthreads 1 --memory-limit 0`): the client
+    then does only the client's work, where a LocalCluster's scheduler runs in its process. Yields
+    the scheduler's address; all are killed after."""
+    import os
+    import signal
+
+    from distributed import Client
+
+    with tempfile.TemporaryDirectory(prefix="bench-sched-") as tmp:
+        where = str(Path(tmp) / "scheduler.json")
+        dask = [sys.executable, "-m", "dask"]
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "start_new_session": True}
+        procs = [subprocess.Popen(dask + ["scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address",
+                                          ":0", "--scheduler-file", where], **quiet)]
+        try:
+            procs += [subprocess.Popen(dask + ["worker", "--scheduler-file", where, "--nthreads", "1", "--nworkers",
+                                               "1", "--memory-limit", "0", "--no-dashboard"], **quiet)
+                      for _ in range(workers)]
+            with Client(scheduler_file=where, timeout=60) as c:
+                c.wait_for_workers(workers, timeout=60)
+                address = c.scheduler.address
+            yield address
+        finally:
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=30)
+
+
 def run_child(kind: str, target: str, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--measure", kind, "--target", target]
     try:
@@ -296,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="256,1024")
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--measure", choices=["local", "cluster"])
+    ap.add_argument("--measure", choices=["local", "cluster", "remote"])
     ap.add_argument("--target")
     ap.add_argument("--per-file", type=int, metavar="N")
     ap.add_argument("--phases", type=int, metavar="N")
@@ -304,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resident-of", help=argparse.SUPPRESS)
     ap.add_argument("--source", type=Path, default=SOURCE,
                     help="the real ranks to replicate (a directory of *.json.gz; default param_dlrm_8rank_v100)")
-    ap.add_argument("--paths", default="local,cluster", help="which of the two to run")
+    ap.add_argument("--paths", default="local,cluster,remote", help="which of the three to run")
     a = ap.parse_args(argv)
     if a.phases:
         phases(a.phases, a.source)
@@ -327,22 +368,34 @@ def main(argv: list[str] | None = None) -> int:
         keep_large_blocks_mapped()  # what `diagnose` does first (cli.main): the child is the command
         print(json.dumps(measure(a.measure, a.target)))
         return 0
-    rows = []
+    rows, remotes = [], []
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         for n in [int(x) for x in a.ranks.split(",")]:
             target = build(Path(tmp), n, a.source)
             skipped = {"error": "not run (--paths)"}
             local = run_child("local", str(target), a.timeout) if "local" in a.paths else skipped
             clus = run_child("cluster", str(target), a.timeout) if "cluster" in a.paths else skipped
+            remote = run_child("remote", str(target), a.timeout) if "remote" in a.paths else skipped
             rows.append((n, local, clus))
-            print(f"{n} ranks: local {local}\n{n} ranks: cluster {clus}", flush=True)
+            remotes.append((n, local, remote))
+            print(f"{n} ranks: local {local}\n{n} ranks: cluster {clus}\n{n} ranks: remote {remote}", flush=True)
     print("\n| ranks | single machine (2 processes) | LocalCluster of 2 (its start apart) | ratio | client peak, "
           "single / cluster | with its outputs written | back per rank | client's own work after the last file, "
           "single / cluster |")
     print("|---|---|---|---|---|---|---|---|")
     for n, lo, cl in rows:
         print("| " + " | ".join(_cells(n, lo, cl)) + " |")
-    for line in _growth(rows) + _at_64(rows):
+    if any("error" not in r for _, _, r in remotes):
+        print("\nThe same, the scheduler and 2 workers each a process of their own (`remote`: as deployed, "
+              "the client doing only the client's work):\n")
+        print("| ranks | single machine | scheduler and 2 workers apart (their start apart) | ratio | client peak, "
+              "single / remote | with its outputs written | back per rank | client's own work after the last file, "
+              "single / remote |")
+        print("|---|---|---|---|---|---|---|---|")
+        for n, lo, rm in remotes:
+            print("| " + " | ".join(_cells(n, lo, rm)) + " |")
+    for line in _growth(rows) + _growth(remotes, ("single", "remote")) + _at_64(rows, "LocalCluster") + \
+            _at_64(remotes, "remote"):
         print(line)
     return 0
 
@@ -350,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 WORKERS_HERE, WORKERS_THERE = 2, 64
 
 
-def _at_64(rows: list[tuple[int, dict, dict]]) -> list[str]:
+def _at_64(rows: list[tuple[int, dict, dict]], label: str) -> list[str]:
     """What a cluster of 64 workers would take, from the per-rank costs measured here (#20: an
     estimate, not a measurement). Reading: the workers' time a rank (the cluster run's wall until
     the last file, times the workers here, over the ranks: an upper bound, the client shared the
@@ -365,20 +418,22 @@ def _at_64(rows: list[tuple[int, dict, dict]]) -> list[str]:
         read_rank = (cl["wall_s"] - cl["after_read_s"]) * WORKERS_HERE / n
         intake_rank = cl["intake_cpu_s"] / n
         read, intake = n * read_rank / WORKERS_THERE, n * intake_rank
-        out.append(f"{n} ranks on {WORKERS_THERE} workers (estimated from the per-rank costs here): reading "
+        out.append(f"{n} ranks on {WORKERS_THERE} workers (estimated from the per-rank costs of the {label} run): reading "
                    f"{read:.1f} s ({1e3 * read_rank:.0f} ms a rank here, over {WORKERS_THERE}), the client taking "
                    f"the results in {intake:.1f} s ({1e3 * intake_rank:.1f} ms of CPU a rank), then its own work "
                    f"{cl['after_read_s']:.1f} s: about {max(read, intake) + cl['after_read_s']:.1f} s")
     return out
 
 
-def _growth(rows: list[tuple[int, dict, dict]]) -> list[str]:
+def _growth(rows: list[tuple[int, dict, dict]], labels: tuple[str, str] = ("single", "cluster")) -> list[str]:
     """Between consecutive rank counts, how much the client's peak grew, in all and per added
     rank: what "flat" is read against (#20)."""
     out = []
     for (n0, *a), (n1, *b) in zip(rows, rows[1:]):
         cells = []
-        for label, x, y in zip(("single", "cluster"), a, b):
+        for label, x, y in zip(labels, a, b):
+            if label == "single" and labels[1] != "cluster":
+                continue  # said once, with the cluster's
             for key, what in (("peak_mb", ""), ("peak_out_mb", " with its outputs")):
                 if key in x and key in y:
                     d = y[key] - x[key]
