@@ -350,17 +350,20 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0, spill: Spill | None =
         se = ends_r[order]
         explained = np.zeros(len(bl), dtype=bool)
         own_r, last_r, end_r = c_arr[mine], latest[mine], c_end[mine]
-        for n_b, (b0, b1) in enumerate(zip(bl.starts, bl.ends)):
-            k = int(np.searchsorted(lo, b1, side="right") - 1)
+        # each stretch's step and last collective end, searched for all of the rank's stretches at
+        # once: one search a stretch was ~90,000 calls at 1,024 DLRM ranks
+        in_step = (np.searchsorted(lo, bl.ends, side="right") - 1).tolist()
+        last_end = (np.searchsorted(se, bl.ends + resume_slack_us, side="right") - 1).tolist()
+        for n_b, (b0, b1, k, j) in enumerate(zip(bl.starts.tolist(), bl.ends.tolist(), in_step, last_end)):
             st = int(steps[max(k, 0)])
-            j = np.searchsorted(se, b1 + resume_slack_us, side="right") - 1
             if j < 0 or se[j] < b0:
                 # nothing ended inside the stretch; one this rank had joined when the stretch began,
                 # whose last rank arrived inside it and whose transfer was still closing when the
                 # lane went on, explains it from that arrival
+                if tl.is_gpu:
+                    continue  # lane time: a device lane resumes at kernel ends
                 tail = np.flatnonzero((own_r <= b0 + resume_slack_us) & (last_r >= b0) & (last_r <= b1)
-                                      & (end_r > b1 + resume_slack_us)) \
-                    if not tl.is_gpu else np.empty(0, dtype=np.int64)  # a device lane resumes at kernel ends
+                                      & (end_r > b1 + resume_slack_us))
                 if not tail.size:
                     continue  # lane time
                 i = mine[tail[np.argmax(last_r[tail])]]
