@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|---|---|")
         for n, lo, rm in remotes:
             print("| " + " | ".join(_cells(n, lo, rm)) + " |")
-    for line in _growth(rows) + _growth(remotes, ("single", "remote")) + _at_64(rows, "LocalCluster") + \
+    for line in _growth(rows) + _growth([(n, rm) for n, _, rm in remotes], ("remote",)) + _at_64(rows, "LocalCluster") + \
             _at_64(remotes, "remote"):
         print(line)
     return 0
@@ -425,15 +425,13 @@ def _at_64(rows: list[tuple[int, dict, dict]], label: str) -> list[str]:
     return out
 
 
-def _growth(rows: list[tuple[int, dict, dict]], labels: tuple[str, str] = ("single", "cluster")) -> list[str]:
+def _growth(rows: list[tuple], labels: tuple[str, ...] = ("single", "cluster")) -> list[str]:
     """Between consecutive rank counts, how much the client's peak grew, in all and per added
     rank: what "flat" is read against (#20)."""
     out = []
     for (n0, *a), (n1, *b) in zip(rows, rows[1:]):
         cells = []
         for label, x, y in zip(labels, a, b):
-            if label == "single" and labels[1] != "cluster":
-                continue  # said once, with the cluster's
             for key, what in (("peak_mb", ""), ("peak_out_mb", " with its outputs")):
                 if key in x and key in y:
                     d = y[key] - x[key]
