@@ -292,6 +292,53 @@ def test_the_documented_deployment_a_scheduler_and_a_worker_a_host(tmp_path):
     assert any("missing rank(s) 7" in w for w in written["warnings"])
 
 
+def test_a_worker_on_other_code_of_the_same_version_is_refused_by_name(cluster):
+    """A worker left on older code of the same version would reduce its ranks by other rules, and
+    its results would join the others' in one diagnosis: the client compares a digest of the code
+    too, and names the worker."""
+    c, client = cluster
+    odd = workers(client)[1]
+
+    def other_code(on: bool) -> None:
+        import diagnose.ingest.cluster as cl
+
+        if on:
+            cl._real_digest, cl.code_digest = cl.code_digest, lambda: "0123456789ab"
+        elif hasattr(cl, "_real_digest"):
+            cl.code_digest = cl._real_digest
+            del cl._real_digest
+
+    client.run(other_code, True, workers=[odd])
+    try:
+        with pytest.raises(DiagnoseError, match=rf"worker {odd} runs torch-diagnose \S+\+0123456789ab, this "
+                                                rf"client \S+\+{dcluster.code_digest()} .*1 worker\(s\) differ"):
+            with connect(c.scheduler_address) as reader:
+                diagnose_paths([DLRM], reader=reader)
+    finally:
+        client.run(other_code, False, workers=[odd])
+    with connect(c.scheduler_address) as reader:  # the same code again: read as before
+        assert len(diagnose_paths([DLRM], reader=reader).run.ranks_found) == 8
+
+
+def test_the_code_digest_follows_the_files_not_where_they_are(tmp_path):
+    """The same files copied elsewhere give the same digest; one byte changed in one, another."""
+    import diagnose
+
+    def digest_of(root: Path) -> str:
+        code = f"import sys; sys.path.insert(0, {str(root)!r}); import diagnose.ingest.cluster as c; " \
+               f"assert c.__file__.startswith({str(root)!r}), c.__file__; print(c.code_digest())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              check=True, cwd=tmp_path).stdout.strip()
+
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(Path(diagnose.__file__).resolve().parent, copy / "diagnose",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert digest_of(copy) == dcluster.code_digest()
+    f = copy / "diagnose" / "analyzers" / "straggler.py"
+    f.write_bytes(f.read_bytes() + b"\n")
+    assert digest_of(copy) != dcluster.code_digest()
+
+
 def test_dasks_own_logs_are_kept_short_while_connected():
     """Dask keeps its last 1,000 messages on each stream, and its transitions, for its debugging:
     the client kept every task it sent, and a LocalCluster's scheduler (in the client's process)

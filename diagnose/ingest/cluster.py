@@ -109,9 +109,26 @@ class ClusterStats:
 # -- what runs on the workers (module-level: Dask pickles these by reference) ---------------------
 
 def _version() -> str:
+    """This installation's version and a digest of its code (`code_digest`)."""
     from diagnose import __version__
 
-    return __version__
+    return f"{__version__}+{code_digest()}"
+
+
+def code_digest() -> str:
+    """A digest of the diagnose package's own source files (their paths and bytes). The version
+    alone did not tell two builds apart: a worker left on older code of the same version would
+    reduce its ranks by other rules, and the client would mix its results with the others' in one
+    diagnosis without a word. The same files give the same digest however they were installed."""
+    import hashlib
+
+    import diagnose
+
+    root = Path(diagnose.__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def list_here(paths: list[str]) -> tuple[str, list[Listed], list[str]]:
@@ -274,8 +291,7 @@ class DaskReader:
         self.stats = ClusterStats(label)
 
     def _check_workers(self) -> None:
-        from diagnose import __version__
-
+        here = _version()
         try:
             versions = self.client.run(_version)
         except (ImportError, AttributeError) as exc:
@@ -283,11 +299,11 @@ class DaskReader:
                                 "(the client's version) on every worker") from None
         if not versions:
             raise DiagnoseError(f"the Dask scheduler at {self.stats.address} has no workers")
-        other = {a: v for a, v in versions.items() if v != __version__}
+        other = {a: v for a, v in versions.items() if v != here}
         if other:
             a, v = next(iter(other.items()))
-            raise DiagnoseError(f"worker {a} runs torch-diagnose {v}, this client {__version__}: install one "
-                                f"version everywhere ({len(other)} worker(s) differ)")
+            raise DiagnoseError(f"worker {a} runs torch-diagnose {v}, this client {here} (version+code digest): "
+                                f"install one build everywhere ({len(other)} worker(s) differ)")
         self.stats.workers = len(versions)
 
     def listing(self, paths: list[str]) -> tuple[dict[Listed, list[str]], dict[str, str]]:
