@@ -334,9 +334,20 @@ def test_the_code_digest_follows_the_files_not_where_they_are(tmp_path):
     shutil.copytree(Path(diagnose.__file__).resolve().parent, copy / "diagnose",
                     ignore=shutil.ignore_patterns("__pycache__"))
     assert digest_of(copy) == dcluster.code_digest()
+    # a wheel installs the probes, reports and examples inside the package, an editable install
+    # keeps them beside it: the same code either way
+    (copy / "diagnose" / "reports").mkdir()
+    (copy / "diagnose" / "reports" / "html.py").write_text("# installed inside the package\n")
+    assert digest_of(copy) == dcluster.code_digest()
     f = copy / "diagnose" / "analyzers" / "straggler.py"
     f.write_bytes(f.read_bytes() + b"\n")
     assert digest_of(copy) != dcluster.code_digest()
+    # what is left out is exactly what pyproject maps in from beside the package
+    import tomllib
+
+    cfg = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    mapped = cfg["tool"]["setuptools"]["package-dir"]
+    assert set(dcluster.BESIDE) == {k.removeprefix("diagnose.") for k in mapped if k != "diagnose"}
 
 
 def test_dasks_own_logs_are_kept_short_while_connected():

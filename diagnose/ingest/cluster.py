@@ -115,6 +115,13 @@ def _version() -> str:
     return f"{__version__}+{code_digest()}"
 
 
+BESIDE = ("probes", "reports", "examples")
+"""Packages installed as diagnose.<name> from the repository's top-level folders (pyproject's
+package-dir): inside the package in a wheel, beside it in an editable install. Left out of the
+digest, which would otherwise differ between the two for the same code; the reading and the
+reductions a worker runs are not in them."""
+
+
 def code_digest() -> str:
     """A digest of the diagnose package's own source files (their paths and bytes). The version
     alone did not tell two builds apart: a worker left on older code of the same version would
@@ -127,7 +134,10 @@ def code_digest() -> str:
     root = Path(diagnose.__file__).resolve().parent
     h = hashlib.sha256()
     for f in sorted(root.rglob("*.py")):
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        rel = f.relative_to(root)
+        if rel.parts[0] in BESIDE:
+            continue
+        h.update(rel.as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
 
