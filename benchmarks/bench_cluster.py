@@ -316,6 +316,15 @@ def run_child(kind: str, target: str, timeout: float) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _table(rows: list[tuple[int, dict, dict]], title: str, short: str) -> None:
+    """The single machine against one other path, a row a rank count (markdown)."""
+    print(f"| ranks | single machine (2 processes) | {title} | ratio | client peak, single / {short} | with its "
+          f"outputs written | back per rank | client's own work after the last file, single / {short} |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, lo, other in rows:
+        print("| " + " | ".join(_cells(n, lo, other)) + " |")
+
+
 def _cells(n: int, lo: dict, cl: dict) -> list[str]:
     """One table row; a path that did not run (or failed) shows its reason or '-'."""
     ok_l, ok_c = "error" not in lo, "error" not in cl
@@ -379,23 +388,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((n, local, clus))
             remotes.append((n, local, remote))
             print(f"{n} ranks: local {local}\n{n} ranks: cluster {clus}\n{n} ranks: remote {remote}", flush=True)
-    print("\n| ranks | single machine (2 processes) | LocalCluster of 2 (its start apart) | ratio | client peak, "
-          "single / cluster | with its outputs written | back per rank | client's own work after the last file, "
-          "single / cluster |")
-    print("|---|---|---|---|---|---|---|---|")
-    for n, lo, cl in rows:
-        print("| " + " | ".join(_cells(n, lo, cl)) + " |")
+    print()
+    _table(rows, "LocalCluster of 2 (its start apart)", "cluster")
     if any("error" not in r for _, _, r in remotes):
         print("\nThe same, the scheduler and 2 workers each a process of their own (`remote`: as deployed, "
               "the client doing only the client's work):\n")
-        print("| ranks | single machine | scheduler and 2 workers apart (their start apart) | ratio | client peak, "
-              "single / remote | with its outputs written | back per rank | client's own work after the last file, "
-              "single / remote |")
-        print("|---|---|---|---|---|---|---|---|")
-        for n, lo, rm in remotes:
-            print("| " + " | ".join(_cells(n, lo, rm)) + " |")
-    for line in _growth(rows) + _growth([(n, rm) for n, _, rm in remotes], ("remote",)) + _at_64(rows, "LocalCluster") + \
-            _at_64(remotes, "remote"):
+        _table(remotes, "scheduler and 2 workers apart (their start apart)", "remote")
+    for line in (_growth(rows) + _growth([(n, rm) for n, _, rm in remotes], ("remote",))
+                 + _at_64(rows, "LocalCluster") + _at_64(remotes, "remote")):
         print(line)
     return 0
 
