@@ -64,6 +64,8 @@ from pathlib import Path
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS_HERE, WORKERS_THERE = 2, 64
+"""Workers of the cluster paths here; of the cluster the estimate is for (`_at_64`)."""
 SOURCE = ROOT.parent / "shared" / "traces" / "param_dlrm_8rank_v100"
 
 
@@ -104,7 +106,8 @@ def measure(kind: str, target: str) -> dict:
         from diagnose.ingest.cluster import connect
 
         t0 = time.perf_counter()
-        with (deployed(2) if kind == "remote" else nullcontext("local:2")) as address, connect(address) as reader:
+        here = nullcontext(f"local:{WORKERS_HERE}")
+        with (deployed(WORKERS_HERE) if kind == "remote" else here) as address, connect(address) as reader:
             start_s = time.perf_counter() - t0
             t, cpu0 = time.perf_counter(), time.process_time()
             d = diagnose_paths([target], reader=reader, progress=seen)
@@ -400,7 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-WORKERS_HERE, WORKERS_THERE = 2, 64
 
 
 def _at_64(rows: list[tuple[int, dict, dict]], label: str) -> list[str]:

@@ -176,15 +176,20 @@ def test_diagnosis_dict_shares_the_extras_and_writes_the_same_json():
     """The JSON's extras are the Diagnosis's own lists where they are JSON already; the file is
     the one a deep copy gives."""
     import copy
+    import pickle
     from dataclasses import replace
 
     from tests.conftest import fixture_diagnosis
 
     d = fixture_diagnosis(Path(__file__).parent / "fixtures" / "cpu_straggler_2rank")  # read, not changed
+    # and lists the cleaning must change in what it writes: a NaN, a tuple, a key not a text
+    d = replace(d, extras={**d.extras, "dirty": {"xs": [1.0, float("nan"), ("t", 2)], 3: ["x"]}})
+    option = orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+    before = pickle.dumps(d.extras)  # its bytes: NaN and all, every value and what shares what
+    copied = orjson.dumps(diagnosis_dict(replace(d, extras=copy.deepcopy(d.extras))), option=option)
     body = diagnosis_dict(d)
     lanes = d.extras["timeline"]["ranks"][0]["lanes"]
     key = next(k for k, v in lanes.items() if v)
     assert body["extras"]["timeline"]["ranks"][0]["lanes"][key] is lanes[key]
-    copied = diagnosis_dict(replace(d, extras=copy.deepcopy(d.extras)))
-    option = orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
-    assert orjson.dumps(body, option=option) == orjson.dumps(copied, option=option)
+    assert orjson.dumps(body, option=option) == copied
+    assert pickle.dumps(d.extras) == before  # the cleaning changed none of the Diagnosis's own lists

@@ -119,8 +119,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         base = "low"
         metrics["note"] = "; ".join(([metrics["note"]] if "note" in metrics else []) + gaps)
     refs = [ctx.event_ref(r, row, note) for r, f in facts.items() for row, note in f.evidence]
-    step_ms = ctx.mean_step_ms  # once: the breakdown's mean over every row
-    ranks = tuple(r for r, f in facts.items() if f.ms / step_ms >= th.device_wait) or tuple(run.ranks)
+    ranks = tuple(r for r, f in facts.items() if f.ms / ctx.mean_step_ms >= th.device_wait) or tuple(run.ranks)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=ranks, metrics=metrics, events=tuple(refs[:6]), fix=FIXES[top], confidence=confidence_for(ctx, base),

@@ -202,8 +202,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         metrics[f"rank{r}_sync_idle_ms"] = round(ms_by_rank[r], 3)
     refs = [ctx.event_ref(r, row, f"host blocked {dur / 1000:.3f} ms, device then idle {caused / 1000:.3f} ms; "
                           f"{cause}") for r, (row, caused, dur, cause) in top]
-    step_ms = ctx.mean_step_ms  # once: the breakdown's mean over every row
-    ranks = tuple(r for r, v in ms_by_rank.items() if v / step_ms >= th.host_sync) or tuple(
+    ranks = tuple(r for r, v in ms_by_rank.items() if v / ctx.mean_step_ms >= th.host_sync) or tuple(
         r for r in run.ranks if calls[r])
     linked = any(run.traces[r].flows for r in run.ranks)
     gaps = idle_completeness(ctx, th)

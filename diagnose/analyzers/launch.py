@@ -207,8 +207,7 @@ def _gpu(ctx: Context, th: Thresholds) -> Check:
         notes += gaps
     if notes:
         metrics["note"] = "; ".join(notes)
-    step_ms = ctx.mean_step_ms  # once: the breakdown's mean over every row
-    ranks = tuple(r for r, v in per_rank.items() if v / step_ms >= th.launch_overhead) or tuple(run.ranks)
+    ranks = tuple(r for r, v in per_rank.items() if v / ctx.mean_step_ms >= th.launch_overhead) or tuple(run.ranks)
     split = (f"{ms - long_ms:.1f} ms in short gaps between kernels (launch rate), {long_ms:.1f} ms in gaps over "
              f"{th.launch_gap_long_us:.0f} us (host-op stalls)")
     top_ops = [n for n, _ in sorted(ops.items(), key=lambda kv: -kv[1])[:3]]
@@ -280,8 +279,7 @@ def _cpu(ctx: Context, th: Thresholds) -> Check:
     compiled = ctx.compiled_share()
     if compiled is not None:
         metrics["compiled_share_of_host_time"] = round(compiled, 4)
-    step_ms = ctx.mean_step_ms  # once: the breakdown's mean over every row
-    ranks = tuple(r for r, v in per_rank.items() if v / step_ms >= th.cpu_op_overhead) or tuple(run.ranks)
+    ranks = tuple(r for r, v in per_rank.items() if v / ctx.mean_step_ms >= th.cpu_op_overhead) or tuple(run.ranks)
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=ranks, metrics=metrics, events=tuple(refs[:4]),
