@@ -15,9 +15,10 @@ temporary directory. Then, each in its own child process (so peaks do not mix), 
 Prints wall times, the ratio cluster / local, the client's peak resident memory (VmHWM of the
 child; the workers' are theirs) after the analysis and after its outputs are written as
 `diagnose analyze` writes them (diagnosis.json, report.html: the command's own peak), and how much
-each grew per added rank, the bytes that travelled back
-per rank, and the client's own work after the last file arrived (assembly and the checklist: what
-more workers cannot shorten); then, from these per-rank costs, what 64 workers would take (`_at_64`).
+each grew per added rank (and that growth against one rank's file and its summary as it travels:
+`_growth`), the bytes that travelled back per rank, and the client's own work after the last file
+arrived (assembly and the checklist: what more workers cannot shorten); then, from these per-rank
+costs, what 64 workers would take (`_at_64`). tests/test_bench_cluster.py runs each mode at 8 ranks.
 
     python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks, the three paths
     python benchmarks/bench_cluster.py --paths local,remote   # without the LocalCluster
@@ -34,10 +35,12 @@ the CPU of the thread that ran it and of its whole process: in a forked local po
 LocalCluster of 2 as `--cluster` starts it (both warmed on 4 files first). What a worker spends
 beside the read itself is Dask's own per-task work.
 
-`--phases N` runs the single-machine path once under tracemalloc and prints, at each phase of the
-client's analysis (the loaded ranks, matching, breakdown, step graph, checklist, replay), the
-Python memory held and the highest point since the previous mark: where the peak is, and what
-each rank costs there (numpy's and pandas' buffers included; the interpreter's own pages not).
+`--phases N` runs the single-machine path once under tracemalloc (its forked readers untraced) and
+prints, at each phase of the client's analysis (the loaded ranks, matching, breakdown, step graph,
+each check, the replay, each extra), the Python memory held and the highest point since the
+previous mark: where the peak is, and what each rank costs there (numpy's and pandas' buffers
+included; the interpreter's own pages not; its free lists of tuples, floats, lists and dicts, which
+only a full collection empties, counted as held: up to ~1 MB at 1,024 ranks).
 
 `--resident N` runs it once more without tracemalloc and prints, at each phase and around each
 check of the checklist and each extra, the resident size (VmRSS) and its highest point since the
@@ -130,6 +133,7 @@ def measure(kind: str, target: str) -> dict:
             "after_read_s": t + wall - last[0] if last[0] else None, "peak_mb": analysed_mb,
             "intake_cpu_s": last[1] - cpu0 if last[0] else None,
             "peak_out_mb": _peak_mb(), "bytes_per_rank": back, "ranks": len(d.run.ranks_found),
+            "read_per_rank": sum(p.stat().st_size for p in Path(target).iterdir()) / len(d.run.ranks_found),
             "top": d.top.id if d.top else None}
 
 
@@ -179,10 +183,31 @@ def _between_marks(inner, label: str, mark: Callable[[str], None]):
     return marked
 
 
-def phases(n: int, source: Path = SOURCE) -> None:
-    import tracemalloc
+def _mark_phases(mark: Callable[[str], None]) -> None:
+    """A mark before and after each phase of the client's analysis, each check and each extra."""
+    from dataclasses import replace
 
     import diagnose.context as context
+    import diagnose.extras as extras
+    import diagnose.ingest.assemble as assemble
+    import diagnose.pipeline as pipeline
+    from diagnose.ingest.cluster import DaskReader
+
+    for module, names in ((assemble, ("load_files", "gather_collectives")), (DaskReader, ("load",)),
+                          (context, ("match_collectives", "build_graph", "step_model")),
+                          (pipeline, ("build_context", "run_checklist", "report_extras", "annotate")),
+                          (extras, ("_lateness_extra", "_timeline_extra", "_top_ops_extra", "_comm_groups_extra",
+                                    "_compiled_extra", "_over_time_extra"))):
+        for name in names:
+            setattr(module, name, _between_marks(getattr(module, name), name, mark))
+    pipeline.CHECKLIST = tuple(replace(e, analyze=_between_marks(e.analyze, f"check {e.name}", mark))
+                               for e in pipeline.CHECKLIST)
+
+
+def phases(n: int, source: Path = SOURCE) -> None:
+    import os
+    import tracemalloc
+
     import diagnose.pipeline as pipeline
 
     marks: list[tuple[str, float, float]] = []
@@ -192,13 +217,10 @@ def phases(n: int, source: Path = SOURCE) -> None:
         marks.append((label, cur / 1e6, peak / 1e6))
         tracemalloc.reset_peak()
 
-    for module, names in ((assemble, ("load_files", "gather_collectives")), (DaskReader, ("load",)),
-                          (context, ("match_collectives", "build_graph", "step_model")),
-                          (pipeline, ("build_context", "run_checklist", "annotate"))):
-        for name in names:
-            setattr(module, name, _between_marks(getattr(module, name), name, mark))
+    _mark_phases(mark)
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         target = build(Path(tmp), n, source)
+        os.register_at_fork(after_in_child=tracemalloc.stop)  # the pool's readers are not the client
         tracemalloc.start()
         pipeline.diagnose_paths([str(target)], jobs=2)
         mark("end")
@@ -231,13 +253,9 @@ def resident(n: int, source: Path = SOURCE, kind: str = "local") -> None:
 
 def resident_of(target: str, kind: str = "local") -> None:
     from contextlib import nullcontext
-    from dataclasses import replace
 
-    import diagnose.context as context
-    import diagnose.extras as extras
-    import diagnose.ingest.assemble as assemble
     import diagnose.pipeline as pipeline
-    from diagnose.ingest.cluster import DaskReader, connect
+    from diagnose.ingest.cluster import connect
 
     marks: list[tuple[str, float, float]] = []
     try:
@@ -253,15 +271,7 @@ def resident_of(target: str, kind: str = "local") -> None:
         except OSError:
             pass
 
-    for module, names in ((assemble, ("load_files", "gather_collectives")), (DaskReader, ("load",)),
-                          (context, ("match_collectives", "build_graph", "step_model")),
-                          (pipeline, ("build_context", "run_checklist", "report_extras", "annotate")),
-                          (extras, ("_lateness_extra", "_timeline_extra", "_top_ops_extra", "_comm_groups_extra",
-                                    "_compiled_extra", "_over_time_extra"))):
-        for name in names:
-            setattr(module, name, _between_marks(getattr(module, name), name, mark))
-    pipeline.CHECKLIST = tuple(replace(e, analyze=_between_marks(e.analyze, f"check {e.name}", mark))
-                               for e in pipeline.CHECKLIST)
+    _mark_phases(mark)
     with connect("local:2") if kind == "cluster" else nullcontext() as reader:
         mark("start" + (" (the cluster up)" if reader else ""))
         d = pipeline.diagnose_paths([target], jobs=2, reader=reader)
@@ -429,7 +439,10 @@ def _at_64(rows: list[tuple[int, dict, dict]], label: str) -> list[str]:
 
 def _growth(rows: list[tuple], labels: tuple[str, ...] = ("single", "cluster")) -> list[str]:
     """Between consecutive rank counts, how much the client's peak grew, in all and per added
-    rank: what "flat" is read against (#20)."""
+    rank: what "flat" is read against (#20); and that per-rank growth against what one rank's file
+    holds (read on the workers) and what its summary weighs (travelled back): a client that kept
+    ranks' data would grow by the one or the other, one that keeps only each rank's answer by
+    neither (run it with a heavier --source: the per-rank growth stays, the file grows)."""
     out = []
     for (n0, *a), (n1, *b) in zip(rows, rows[1:]):
         cells = []
@@ -441,6 +454,14 @@ def _growth(rows: list[tuple], labels: tuple[str, ...] = ("single", "cluster")) 
                                  f"{d * 1024 / (n1 - n0):.1f} KB a rank)")
         if cells:
             out.append(f"client peak from {n0} to {n1} ranks: " + "; ".join(cells))
+        sizes = [(x["read_per_rank"], x.get("bytes_per_rank")) for x in b if "read_per_rank" in x]
+        if sizes and "peak_mb" in b[0] and "peak_mb" in a[0]:
+            per_rank = (b[0]["peak_mb"] - a[0]["peak_mb"]) * 2**20 / (n1 - n0)
+            read, back = sizes[0][0], next((s[1] for s in sizes if s[1]), None)
+            out.append(f"  per added rank the {labels[0]} client's peak grew {per_rank / 1024:.1f} KB: "
+                       f"{per_rank / read:.2%} of the rank's file ({read / 2**20:.1f} MB)"
+                       + (f", {per_rank / back:.1%} of its summary as it travels ({back / 1024:.0f} KiB)"
+                          if back else ""))
     return out
 
 
