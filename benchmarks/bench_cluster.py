@@ -27,6 +27,7 @@ costs, what 64 workers would take (`_at_64`). tests/test_bench_cluster.py runs e
     python benchmarks/bench_cluster.py --phases 512      # the client's Python memory by phase
     python benchmarks/bench_cluster.py --resident 1024   # its resident memory by phase and check
     python benchmarks/bench_cluster.py --resident 1024 --paths cluster   # the same, read on a LocalCluster
+    python benchmarks/bench_cluster.py --held 256,1024   # which objects held grow with the ranks
     python benchmarks/bench_cluster.py --ranks 16,64 --paths local \\
         --source ../shared/traces/kineto_resnet50_dataloader_v100/nw0   # heavier ranks (26 MB each)
 
@@ -230,6 +231,58 @@ def phases(n: int, source: Path = SOURCE) -> None:
         print(f"  {label:28s} {cur:7.1f} {peak:7.1f}")
 
 
+def held(counts: list[int], source: Path = SOURCE) -> None:
+    """What the client holds when the replays' annotation starts (every check done: what the run,
+    the checks' results and the breakdown keep), at two rank counts, compared by where each block
+    was allocated, the largest growth first: which objects grow with the ranks (#20). Each count in
+    a child process of its own, under tracemalloc (4 frames, its forked readers untraced), after a
+    full collection (Python's free lists emptied: they are not objects held)."""
+    import pickle
+
+    snaps = []
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
+        for n in counts:
+            target, out = build(Path(tmp), n, source), Path(tmp) / f"held{n}.pickle"
+            res = subprocess.run([sys.executable, __file__, "--held-of", str(target), "--target", str(out)],
+                                 cwd=ROOT, text=True, capture_output=True, check=False)
+            if res.returncode != 0:
+                print((res.stderr.strip().splitlines() or ["failed"])[-1][:300])
+                return
+            snaps.append(pickle.loads(out.read_bytes()))
+    a, b = snaps
+    print(f"the client's Python memory held when the replays start: {sum(t.size for t in a.traces) / 1e6:.2f} MB "
+          f"at {counts[0]} ranks, {sum(t.size for t in b.traces) / 1e6:.2f} at {counts[1]}; the largest "
+          "differences by where they were allocated (most recent frame first):")
+    for st in b.compare_to(a, "traceback")[:20]:
+        frames = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in list(st.traceback)[::-1][:4])
+        print(f"  {st.size_diff / 1e3:+9.1f} KB {st.count_diff:+7d} blocks  {frames}")
+
+
+def held_of(target: str, out: str) -> None:
+    import gc
+    import os
+    import pickle
+    import tracemalloc
+
+    from diagnose import pipeline
+
+    inner = pipeline.annotate
+
+    def snapshot_first(*a, **k):
+        if not Path(out).exists():
+            gc.collect()
+            # what imports made while it ran (a module imported at its first use) is no rank's
+            snap = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(False, f) for f in (tracemalloc.__file__, "<frozen abc>", "<frozen importlib.*")])
+            Path(out).write_bytes(pickle.dumps(snap))
+        return inner(*a, **k)
+
+    pipeline.annotate = snapshot_first
+    os.register_at_fork(after_in_child=tracemalloc.stop)
+    tracemalloc.start(4)
+    pipeline.diagnose_paths([target], jobs=2)
+
+
 def _status_mb() -> tuple[float, float]:
     """(VmRSS, VmHWM) of this process, MB."""
     got = {}
@@ -364,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-file", type=int, metavar="N")
     ap.add_argument("--phases", type=int, metavar="N")
     ap.add_argument("--resident", type=int, metavar="N")
+    ap.add_argument("--held", metavar="N1,N2")
+    ap.add_argument("--held-of", help=argparse.SUPPRESS)
     ap.add_argument("--resident-of", help=argparse.SUPPRESS)
     ap.add_argument("--source", type=Path, default=SOURCE,
                     help="the real ranks to replicate (a directory of *.json.gz; default param_dlrm_8rank_v100)")
@@ -371,6 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.phases:
         phases(a.phases, a.source)
+        return 0
+    if a.held:
+        held([int(x) for x in a.held.split(",")], a.source)
+        return 0
+    if a.held_of:
+        held_of(a.held_of, a.target)
         return 0
     if a.resident:
         resident(a.resident, a.source, "cluster" if a.paths == "cluster" else "local")

@@ -39,3 +39,9 @@ def test_the_memory_by_phase(mode):
     for phase in ("load_files", "match_collectives", "build_graph", "check straggler", "annotate",
                   "_timeline_extra", "end"):
         assert re.search(rf"^  {re.escape(phase)} +-?\d+\.\d +-?\d+\.\d", out, re.M), (phase, out)
+
+
+def test_what_is_held_at_two_rank_counts():
+    out = _bench("--held", "2,4")
+    assert re.search(r"held when the replays start: \d+\.\d\d MB at 2 ranks, \d+\.\d\d at 4", out), out
+    assert re.search(r"^  +[+-]\d+\.\d KB +[+-]\d+ blocks  \S+\.py:\d+", out, re.M), out
