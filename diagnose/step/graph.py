@@ -469,6 +469,11 @@ the eight columns it only reads, whole, were 34 B a node more at each replay (#2
 replicated DLRM ranks, 25,728 nodes, a replay of the graph on disk peaked at 1.65 MB of Python
 memory, 1.03 in blocks; tracemalloc)."""
 _REPLAY_COLUMNS = ("kind", "time", "lane_prev", "group", "order_prev", "resume_of", "lag", "after_arrival")
+AS_LISTS = 128
+"""Nodes whose columns the replay's loop reads as lists at a time: a Python object a cell, so a
+short stretch (tracemalloc, a replay of the graph on disk at 1,024 DLRM ranks: 1.03 MB at its
+height with numpy's elements; as lists a block of REPLAY_BLOCK nodes at a time 1.45, 512 nodes
+1.15, 128 nodes 1.08)."""
 
 
 def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray | None = None) -> Replay:
@@ -515,9 +520,9 @@ def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray 
                 elif k == RESUME:
                     if after_arrival[i]:  # the last arrival is processed by now (measured before this point)
                         gi = group[i]
-                        at_ = group_start[gi] + max(tr[resume_of[i]] + lag[i], 0.0)
-                        if at_ > t[v]:
-                            t[v], via[v], via_cat[v] = at_, group_last[gi], ORDER
+                        resumed = group_start[gi] + max(tr[resume_of[i]] + lag[i], 0.0)
+                        if resumed > t[v]:
+                            t[v], via[v], via_cat[v] = resumed, group_last[gi], ORDER
                         continue
                     e = resume_of[i]
                     if t[e] + lag[i] > t[v]:
@@ -525,13 +530,6 @@ def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray 
     times = np.frombuffer(t, dtype=np.float64)  # views of the typed arrays, not copies
     return Replay(time=times, via=np.frombuffer(via, dtype=np.intc).astype(np.int32, copy=False),
                   via_cat=np.frombuffer(via_cat, dtype=np.int8), step_ms=_durations_ms(g, times))
-
-
-AS_LISTS = 128
-"""Nodes whose columns the replay's loop reads as lists at a time: a Python object a cell, so a
-short stretch (tracemalloc, a replay of the graph on disk at 1,024 DLRM ranks: 1.03 MB at its
-height with numpy's elements; as lists a block of REPLAY_BLOCK nodes at a time 1.45, 512 nodes
-1.15, 128 nodes 1.08)."""
 
 
 def _durations_ms(g: StepGraph, t: np.ndarray) -> np.ndarray:
