@@ -18,7 +18,7 @@ child; the workers' are theirs) after the analysis and after its outputs are wri
 each grew per added rank (and that growth against one rank's file and its summary as it travels:
 `_growth`), the bytes that travelled back per rank, and the client's own work after the last file
 arrived (assembly and the checklist: what more workers cannot shorten); then, from these per-rank
-costs, what 64 workers would take (`_at_64`). tests/test_bench_cluster.py runs each mode at 8 ranks.
+costs, what 64 workers would take (`_at_64`). tests/test_bench_cluster.py runs each mode on a few ranks.
 
     python benchmarks/bench_cluster.py                   # 256 and 1,024 ranks, the three paths
     python benchmarks/bench_cluster.py --paths local,remote   # without the LocalCluster
@@ -41,7 +41,8 @@ prints, at each phase of the client's analysis (the loaded ranks, matching, brea
 each check, the replay, each extra), the Python memory held and the highest point since the
 previous mark: where the peak is, and what each rank costs there (numpy's and pandas' buffers
 included; the interpreter's own pages not; its free lists of tuples, floats, lists and dicts, which
-only a full collection empties, counted as held: up to ~1 MB at 1,024 ranks).
+only a full collection empties, counted as held: 1.2 MB of the 2.6 held when the replays start at
+1,024 ranks; `--held` empties them first).
 
 `--resident N` runs it once more without tracemalloc and prints, at each phase and around each
 check of the checklist and each extra, the resident size (VmRSS) and its highest point since the
@@ -205,11 +206,21 @@ def _mark_phases(mark: Callable[[str], None]) -> None:
                                for e in pipeline.CHECKLIST)
 
 
-def phases(n: int, source: Path = SOURCE) -> None:
+def _traced_run(target: str, frames: int = 1) -> None:
+    """The single-machine path under tracemalloc in this process; the pool's forked readers
+    untraced (they are not the client, and tracing them slowed a 1,024-rank run past 10 min)."""
     import os
     import tracemalloc
 
-    import diagnose.pipeline as pipeline
+    from diagnose import pipeline
+
+    os.register_at_fork(after_in_child=tracemalloc.stop)
+    tracemalloc.start(frames)
+    pipeline.diagnose_paths([target], jobs=2)
+
+
+def phases(n: int, source: Path = SOURCE) -> None:
+    import tracemalloc
 
     marks: list[tuple[str, float, float]] = []
 
@@ -220,10 +231,7 @@ def phases(n: int, source: Path = SOURCE) -> None:
 
     _mark_phases(mark)
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
-        target = build(Path(tmp), n, source)
-        os.register_at_fork(after_in_child=tracemalloc.stop)  # the pool's readers are not the client
-        tracemalloc.start()
-        pipeline.diagnose_paths([str(target)], jobs=2)
+        _traced_run(str(build(Path(tmp), n, source)))
         mark("end")
         tracemalloc.stop()
     print(f"{n} ranks, the client's Python memory (MB): held at the mark, highest since the previous mark")
@@ -231,7 +239,7 @@ def phases(n: int, source: Path = SOURCE) -> None:
         print(f"  {label:28s} {cur:7.1f} {peak:7.1f}")
 
 
-def held(counts: list[int], source: Path = SOURCE) -> None:
+def held(counts: list[int], source: Path = SOURCE) -> int:
     """What the client holds when the replays' annotation starts (every check done: what the run,
     the checks' results and the breakdown keep), at two rank counts, compared by where each block
     was allocated, the largest growth first: which objects grow with the ranks (#20). Each count in
@@ -247,7 +255,7 @@ def held(counts: list[int], source: Path = SOURCE) -> None:
                                  cwd=ROOT, text=True, capture_output=True, check=False)
             if res.returncode != 0:
                 print((res.stderr.strip().splitlines() or ["failed"])[-1][:300])
-                return
+                return 1
             snaps.append(pickle.loads(out.read_bytes()))
     a, b = snaps
     print(f"the client's Python memory held when the replays start: {sum(t.size for t in a.traces) / 1e6:.2f} MB "
@@ -256,11 +264,11 @@ def held(counts: list[int], source: Path = SOURCE) -> None:
     for st in b.compare_to(a, "traceback")[:20]:
         frames = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in list(st.traceback)[::-1][:4])
         print(f"  {st.size_diff / 1e3:+9.1f} KB {st.count_diff:+7d} blocks  {frames}")
+    return 0
 
 
 def held_of(target: str, out: str) -> None:
     import gc
-    import os
     import pickle
     import tracemalloc
 
@@ -278,9 +286,7 @@ def held_of(target: str, out: str) -> None:
         return inner(*a, **k)
 
     pipeline.annotate = snapshot_first
-    os.register_at_fork(after_in_child=tracemalloc.stop)
-    tracemalloc.start(4)
-    pipeline.diagnose_paths([target], jobs=2)
+    _traced_run(target, frames=4)
 
 
 def _status_mb() -> tuple[float, float]:
@@ -428,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         phases(a.phases, a.source)
         return 0
     if a.held:
-        held([int(x) for x in a.held.split(",")], a.source)
-        return 0
+        return held([int(x) for x in a.held.split(",")], a.source)
     if a.held_of:
         held_of(a.held_of, a.target)
         return 0
@@ -474,8 +479,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-
-
 def _at_64(rows: list[tuple[int, dict, dict]], label: str) -> list[str]:
     """What a cluster of 64 workers would take, from the per-rank costs measured here (#20: an
     estimate, not a measurement). Reading: the workers' time a rank (the cluster run's wall until
@@ -515,10 +518,11 @@ def _growth(rows: list[tuple], labels: tuple[str, ...] = ("single", "cluster")) 
                                  f"{d * 1024 / (n1 - n0):.1f} KB a rank)")
         if cells:
             out.append(f"client peak from {n0} to {n1} ranks: " + "; ".join(cells))
-        sizes = [(x["read_per_rank"], x.get("bytes_per_rank")) for x in b if "read_per_rank" in x]
-        if sizes and "peak_mb" in b[0] and "peak_mb" in a[0]:
-            per_rank = (b[0]["peak_mb"] - a[0]["peak_mb"]) * 2**20 / (n1 - n0)
-            read, back = sizes[0][0], next((s[1] for s in sizes if s[1]), None)
+        x, y = a[0], b[0]  # the first path's; the files and the summaries are the same for every path
+        if {"peak_mb", "read_per_rank"} <= y.keys() and "peak_mb" in x:
+            per_rank = (y["peak_mb"] - x["peak_mb"]) * 2**20 / (n1 - n0)
+            read = y["read_per_rank"]
+            back = next((z["bytes_per_rank"] for z in b if z.get("bytes_per_rank")), None)
             out.append(f"  per added rank the {labels[0]} client's peak grew {per_rank / 1024:.1f} KB: "
                        f"{per_rank / read:.2%} of the rank's file ({read / 2**20:.1f} MB)"
                        + (f", {per_rank / back:.1%} of its summary as it travels ({back / 1024:.0f} KiB)"
