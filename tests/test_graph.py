@@ -335,6 +335,44 @@ def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
     assert sg.critical_segments(g, mem.base, s) == sg.critical_segments(disk, model.base, s)
 
 
+@pytest.mark.parametrize("where", ["param_dlrm_8rank_v100", "cpu_lightning_straggler_2rank", "gpu_h200/tiny-kernels"])
+def test_a_what_ifs_replay_and_edits_are_the_dense_ones_to_the_bit(where):
+    """A what-if's replay keeps no path (replay(path=False): via None), its weights and transfers
+    read a block at a time, never copied whole; the parts' edits read the parts' non-zero cells,
+    not a dense column each (#20: ~50 bytes a node at the height of every check that asks a
+    what-if). The times are the replay's with its path, given weights and transfers or the
+    graph's; an after-arrival resume (CPU lanes) reads its transfer where it lies; the edited
+    weights are max(w - the sum of each part's fraction, 0) over dense columns, bit for bit."""
+    from diagnose.ingest.spill import Spill
+    from diagnose.whatif import EDITS, _without
+    from tests.conftest import fixture_run
+
+    run = shared_run(where) if (SHARED / where).is_dir() else fixture_run(Path(__file__).parent / "fixtures" / where)
+    g = sg.build_graph(run)
+    if where.startswith("cpu_"):
+        assert g.after_arrival.any()  # the resume that reads a transfer away from its node
+    disk = sg.GraphOnDisk(g, Spill())
+    tr = g.transfer * 0.5
+    tr.setflags(write=False)
+    for graph in (g, disk):
+        for w, t in ((None, None), (g.lane_parts.total * 0.7, None), (None, tr)):
+            whole, bare = sg.replay(graph, w, t), sg.replay(graph, w, t, path=False)
+            assert bare.via is None and bare.via_cat is None
+            assert np.array_equal(bare.time, whole.time) and np.array_equal(bare.step_ms, whole.step_ms)
+    touched = 0
+    for fracs in ({"dataloader": 1.0}, {"idle_input": 1.0, "input_copy": 1.0}, {"idle_launch": 0.5},
+                  {"idle_sync": 1.0}, {"comm_wait": 1.0}, {"dataloader": 0.3, "idle_launch": 0.5, "compute": 1.0}):
+        for w in (g.lane_parts.total, g.lane_parts.total * 1.3 - 5.0):
+            dense = np.maximum(w - sum(f * g.lane_parts.column(sg.PARTS.index(p)) for p, f in fracs.items()), 0.0)
+            for graph in (g, disk):
+                got = _without(graph, w, fracs)
+                assert got.dtype == dense.dtype and np.array_equal(got.view(np.int64), dense.view(np.int64)), fracs
+        touched += not np.array_equal(dense, np.maximum(w, 0.0))
+    assert touched >= 2  # some of these parts are on this run's lanes
+    hidden = EDITS["exposed_communication"](disk, g.lane_parts.total, None, ())[1]
+    assert np.array_equal(hidden, np.zeros(g.n_nodes))
+
+
 @pytest.mark.parametrize("name", ["param_dlrm_8rank_v100", "hta_nccl_data_rank0of2_a100"])
 def test_a_graph_built_into_a_spill_is_the_graph_built_in_memory(name):
     """build_graph(run, spill=...) puts each node column in the spill as the build finishes with

@@ -194,9 +194,10 @@ for _name in NODE_COLUMNS:  # each node column a property reading it back (Graph
 class Replay:
     time: np.ndarray
     """Replayed time of every node."""
-    via: np.ndarray
-    """The predecessor that set each node's time (-1: anchored), and the edge category."""
-    via_cat: np.ndarray
+    via: np.ndarray | None
+    """The predecessor that set each node's time (-1: anchored), and the edge category; None in a
+    what-if's replay (replay(path=False): only the critical path reads them)."""
+    via_cat: np.ndarray | None
     step_ms: np.ndarray
     """Replayed duration (ms) of each (rank, step) of StepGraph.step_nodes, in their order: an array,
     not a dict by (rank, step), which held ~0.2 KB a rank for every replay alive (#20)."""
@@ -464,8 +465,9 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0, spill: Spill | None =
 
 REPLAY_BLOCK = 4096
 """Nodes of the graph's columns a replay reads at a time. What it needs whole is what it writes
-(each node's time and predecessor, read back at any earlier node) and the weights an edit changes;
-the eight columns it only reads, whole, were 34 B a node more at each replay (#20: at 1,024
+(each node's time and predecessor, read back at any earlier node); the columns it only reads,
+the weights among them, a block at a time: the eight it reads of the graph's, whole, were 34 B a
+node more at each replay (#20: at 1,024
 replicated DLRM ranks, 25,728 nodes, a replay of the graph on disk peaked at 1.65 MB of Python
 memory, 1.03 in blocks; tracemalloc)."""
 _REPLAY_COLUMNS = ("kind", "time", "lane_prev", "group", "order_prev", "resume_of", "lag", "after_arrival")
@@ -476,58 +478,81 @@ height with numpy's elements; as lists a block of REPLAY_BLOCK nodes at a time 1
 1.15, 128 nodes 1.08)."""
 
 
-def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray | None = None) -> Replay:
-    """Longest-path schedule of the graph with these lane weights and transfers (default: measured)."""
+def replay(g: StepGraph, lane_w: np.ndarray | None = None, transfer: np.ndarray | None = None, *,
+           path: bool = True) -> Replay:
+    """Longest-path schedule of the graph with these lane weights and transfers (default: measured).
+    path: keep each node's predecessor (via, via_cat) for the critical path; a what-if needs its
+    step durations only (Replay.via and via_cat None).
+
+    What it holds whole is what it writes, each node's time (and predecessor): the weights and
+    transfers, given or the graph's, are read a block of nodes at a time with the other columns
+    (#20: a what-if replay held its weights and transfers twice, ~50 bytes a node, at the height
+    of every check that asks one; 1,024 replicated DLRM ranks, 25,728 nodes: 1.3 MB)."""
     n = g.n_nodes
     # typed arrays, and the columns read as short lists: an element of a numpy array read in this
     # loop costs ~100 ns, of these ~30 (a replay at 1,024 DLRM ranks 23 -> 11 ms); the same float
     # arithmetic, so the same schedule to the bit
-    w, tr = array("d"), array("d")  # filled from the arrays' own buffers: no third copy on the way
-    w.frombytes(memoryview(np.ascontiguousarray(g.lane_parts.total if lane_w is None else lane_w,
-                                                dtype=np.float64)).cast("B"))
-    tr.frombytes(memoryview(np.ascontiguousarray(g.transfer if transfer is None else transfer,
-                                                 dtype=np.float64)).cast("B"))
-    t, via, via_cat = array("d", [0.0]) * n, array("i", [-1]) * n, array("b", [-1]) * n
+    t = array("d", [0.0]) * n
+    via, via_cat = (array("i", [-1]) * n, array("b", [-1]) * n) if path else (None, None)
+    # the one weight read away from its node: an after-arrival resume's collective's transfer (CPU
+    # lanes only: a device lane resumes at kernel ends), so the whole column only where there is one
+    tr_at = transfer
+    if tr_at is None and any(g.stretch("after_arrival", lo, lo + REPLAY_BLOCK).any() for lo in range(0, n, REPLAY_BLOCK)):
+        tr_at = g.transfer
     group_start = [-np.inf] * g.n_groups
     group_last = [-1] * g.n_groups
     for lo in range(0, n, REPLAY_BLOCK):
-        block = [g.stretch(c, lo, lo + REPLAY_BLOCK) for c in _REPLAY_COLUMNS]
-        for at in range(lo, lo + block[0].size, AS_LISTS):
-            # node v is row v - at of these lists; t, w and tr are indexed by node
-            kind, time, lane_prev, group, order_prev, resume_of, lag, after_arrival = (
+        hi = min(lo + REPLAY_BLOCK, n)
+        block = [g.stretch(c, lo, hi) for c in _REPLAY_COLUMNS]
+        block.append(g.lane_parts.total_stretch(lo, hi) if lane_w is None else lane_w[lo:hi])
+        block.append(g.stretch("transfer", lo, hi) if transfer is None else transfer[lo:hi])
+        for at in range(lo, hi, AS_LISTS):
+            # node v is row v - at of these lists; t and via are indexed by node
+            kind, time, lane_prev, group, order_prev, resume_of, lag, after_arrival, w, tr = (
                 c[at - lo:at - lo + AS_LISTS].tolist() for c in block)
             for i in range(len(kind)):
                 v = at + i
                 k = kind[i]
                 if k == COLL_END:
                     gi = group[i]
-                    t[v] = group_start[gi] + tr[v]
-                    via[v], via_cat[v] = group_last[gi], TRANSFER
+                    t[v] = group_start[gi] + tr[i]
+                    if path:
+                        via[v], via_cat[v] = group_last[gi], TRANSFER
                     continue
                 p = lane_prev[i]
                 if p < 0:
                     t[v] = time[i]  # the rank's first point is anchored where it was measured
                 else:
-                    t[v] = t[p] + w[v]
-                    via[v], via_cat[v] = p, LANE
+                    t[v] = t[p] + w[i]
+                    if path:
+                        via[v], via_cat[v] = p, LANE
                 if k == ARRIVAL:
                     o = order_prev[i]
                     if o >= 0 and t[o] > t[v]:
-                        t[v], via[v], via_cat[v] = t[o], o, ORDER
+                        t[v] = t[o]
+                        if path:
+                            via[v], via_cat[v] = o, ORDER
                     gi = group[i]
                     if t[v] > group_start[gi]:
                         group_start[gi], group_last[gi] = t[v], v
                 elif k == RESUME:
                     if after_arrival[i]:  # the last arrival is processed by now (measured before this point)
                         gi = group[i]
-                        resumed = group_start[gi] + max(tr[resume_of[i]] + lag[i], 0.0)
+                        resumed = group_start[gi] + max(float(tr_at[resume_of[i]]) + lag[i], 0.0)
                         if resumed > t[v]:
-                            t[v], via[v], via_cat[v] = resumed, group_last[gi], ORDER
+                            t[v] = resumed
+                            if path:
+                                via[v], via_cat[v] = group_last[gi], ORDER
                         continue
                     e = resume_of[i]
                     if t[e] + lag[i] > t[v]:
-                        t[v], via[v], via_cat[v] = t[e] + lag[i], e, ORDER
+                        t[v] = t[e] + lag[i]
+                        if path:
+                            via[v], via_cat[v] = e, ORDER
+        del block
     times = np.frombuffer(t, dtype=np.float64)  # views of the typed arrays, not copies
+    if not path:
+        return Replay(time=times, via=None, via_cat=None, step_ms=_durations_ms(g, times))
     return Replay(time=times, via=np.frombuffer(via, dtype=np.intc).astype(np.int32, copy=False),
                   via_cat=np.frombuffer(via_cat, dtype=np.int8), step_ms=_durations_ms(g, times))
 

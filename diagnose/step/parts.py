@@ -42,6 +42,14 @@ class LaneParts:
         """Itself (PartsOnDisk reads its parts back)."""
         return self
 
+    def total_stretch(self, lo: int, hi: int) -> np.ndarray:
+        """Nodes [lo, hi) of the row sums (PartsOnDisk reads only those)."""
+        return self.total[lo:hi]
+
+    def part(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Part k's non-zero cells: (nodes, values)."""
+        return self.rows[k], self.values[k]
+
     def rows_of(self, nodes: np.ndarray) -> np.ndarray:
         """(len(nodes), n_parts): those nodes' rows (PartsOnDisk's, from memory)."""
         return _rows_of(self.rows, self.values, self.n_parts, nodes)
@@ -119,6 +127,12 @@ class PartsOnDisk:
     @property
     def total(self) -> np.ndarray:
         return array_stretch(self._total)
+
+    def total_stretch(self, lo: int, hi: int) -> np.ndarray:
+        return array_stretch(self._total, lo, hi)
+
+    def part(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return array_stretch(self._rows[k]), array_stretch(self._values[k])
 
     def column(self, k: int) -> np.ndarray:
         out = np.zeros(self._n)
