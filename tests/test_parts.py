@@ -61,6 +61,14 @@ def test_rows_and_elements_read_where_they_lie_are_the_whole_arrays(block):
     assert np.array_equal(blocks[idx], a[idx]) and blocks[idx].dtype == a.dtype
     assert blocks[999] == a[999] and blocks[np.int64(0)] == a[0] and blocks[np.array([], dtype=int)].size == 0
     assert len(blocks._read) <= len(set((idx // block).tolist()) | {999 // block, 0})
+    # at most `keep` blocks held (the critical path's reader), the least recently read going
+    # first; an element of one let go is read again, the same
+    few = ArrayBlocks(spill.put_array(a), block=block, keep=2)
+    for i in list(idx) + [999, 0, int(idx[0])]:
+        assert few[int(i)] == a[i] and len(few._read) <= 2
+    assert np.array_equal(few[idx], a[idx]) and len(few._read) <= 2
+    few[0], few[999], few[0]
+    assert list(few._read) == ([999 // block, 0] if block < 1000 else [0])
     b = LanePartsBuilder(40, 5)
     nodes = np.arange(40)
     cells = rng.random((40, 5)) * (rng.random((40, 5)) < 0.3)

@@ -172,18 +172,24 @@ def array_stretch(x: SpilledArray | np.ndarray, lo: int = 0, hi: int | None = No
 
 class ArrayBlocks:
     """What Spill.put_array gave, read a block of `block` elements at a time as elements are asked
-    for (`blocks[i]`, `blocks[array_of_i]`), each block read once: for a reader that follows a few
-    elements through a long array (the critical path of one step: step/graph.critical_segments)."""
+    for (`blocks[i]`, `blocks[array_of_i]`): for a reader that follows a few elements through a
+    long array (the critical path: step/graph.critical_path, critical_segments). `keep`: the
+    blocks held at most, the least recently read going first (None: every block read, each read
+    once)."""
 
-    __slots__ = ("_x", "_block", "_read")
+    __slots__ = ("_x", "_block", "_read", "_keep")
 
-    def __init__(self, x: SpilledArray | np.ndarray, block: int = 4096) -> None:
-        self._x, self._block, self._read = x, block, {}
+    def __init__(self, x: SpilledArray | np.ndarray, block: int = 4096, keep: int | None = None) -> None:
+        self._x, self._block, self._read, self._keep = x, block, {}, keep
 
     def _of(self, b: int) -> np.ndarray:
-        if b not in self._read:
-            self._read[b] = array_stretch(self._x, b * self._block, (b + 1) * self._block)
-        return self._read[b]
+        got = self._read.pop(b, None)
+        if got is None:
+            got = array_stretch(self._x, b * self._block, (b + 1) * self._block)
+            if self._keep is not None and len(self._read) >= self._keep:
+                del self._read[next(iter(self._read))]
+        self._read[b] = got  # last in the order: the most recently read
+        return got
 
     def __getitem__(self, i):
         if isinstance(i, (int, np.integer)):

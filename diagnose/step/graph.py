@@ -209,7 +209,7 @@ class Replay:
     def loaded(self) -> Replay:
         return self
 
-    def blocks(self) -> Replay:
+    def blocks(self, keep: int | None = None) -> Replay:
         """Itself (ReplayOnDisk reads its nodes a block at a time)."""
         return self
 
@@ -240,10 +240,10 @@ class ReplayOnDisk:
         time, via, via_cat = (array_stretch(self._cols[k]) for k in ("time", "via", "via_cat"))
         return Replay(time=time, via=via, via_cat=via_cat, step_ms=self.step_ms)
 
-    def blocks(self) -> Replay:
-        """The same read a block of nodes at a time as they are asked for (ingest/spill.ArrayBlocks):
-        for a reader that follows one chain (critical_segments)."""
-        time, via, via_cat = (ArrayBlocks(self._cols[k]) for k in ("time", "via", "via_cat"))
+    def blocks(self, keep: int | None = None) -> Replay:
+        """The same read a block of nodes at a time as they are asked for (ingest/spill.ArrayBlocks,
+        `keep` blocks held at most): for a reader that follows a chain (the critical path)."""
+        time, via, via_cat = (ArrayBlocks(self._cols[k], keep=keep) for k in ("time", "via", "via_cat"))
         return Replay(time=time, via=via, via_cat=via_cat, step_ms=self.step_ms)
 
 
@@ -738,12 +738,33 @@ class CriticalPath:
     steps: int
 
 
-def _chain(g: StepGraph, rep: Replay, s: int):
-    """The critical path of step s, from its end back to its start: (node, predecessor, category)."""
-    kind, step = g.kind, g.step
-    ends = np.flatnonzero((kind == STEP_END) & (step == s))
-    starts = np.flatnonzero((kind == STEP_START) & (step == s))
-    del kind, step
+def _step_bounds(g: StepGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(node, kind, step) of every STEP_START and STEP_END node, in node order: read a block of the
+    graph's kind and step columns at a time (whole, once a step, they were 5 bytes a node at the
+    annotation's height: #20)."""
+    nodes, kinds, steps = [], [], []
+    for lo in range(0, g.n_nodes, REPLAY_BLOCK):
+        k = g.stretch("kind", lo, lo + REPLAY_BLOCK)
+        at = np.flatnonzero((k == STEP_START) | (k == STEP_END))
+        nodes.append(at + lo)
+        kinds.append(k[at])
+        steps.append(g.stretch("step", lo, lo + REPLAY_BLOCK)[at])
+    if not nodes:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int8), np.empty(0, dtype=np.int64)
+    return np.concatenate(nodes), np.concatenate(kinds), np.concatenate(steps)
+
+
+CHAIN_BLOCKS = 8
+"""Blocks of the replay's node arrays a critical path holds at most as it follows its chain back
+(it goes back in time, so mostly through the last few it read; one further back is read again)."""
+
+
+def _chain(g: StepGraph, rep: Replay, s: int, bounds: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+    """The critical path of step s, from its end back to its start: (node, predecessor, category).
+    bounds: _step_bounds(g), where the caller asks for several steps."""
+    node, kind, step = bounds if bounds is not None else _step_bounds(g)
+    ends = node[(kind == STEP_END) & (step == s)]
+    starts = node[(kind == STEP_START) & (step == s)]
     if not ends.size or not starts.size:
         return None, []
     floor = rep.time[starts].min()
@@ -764,7 +785,7 @@ def critical_segments(g: StepGraph | GraphOnDisk, rep: Replay | ReplayOnDisk, s:
     the graph's nodes are read a block at a time as the chain reaches them, the lane parts at its
     nodes only: the whole replay and lane parts read back for a chain of a few dozen nodes were
     1.2 MB above the extras' base at 1,024 ranks (#20)."""
-    rep = rep.blocks()
+    rep = rep.blocks(keep=CHAIN_BLOCKS)
     floor, chain = _chain(g, rep, s)
     if not chain:
         return []
@@ -785,24 +806,33 @@ def critical_segments(g: StepGraph | GraphOnDisk, rep: Replay | ReplayOnDisk, s:
 
 
 def critical_path(g: StepGraph, rep: Replay | ReplayOnDisk) -> CriticalPath:
-    rep = rep.loaded()
+    """Each step's chain followed back through the replay's nodes a few blocks at a time, the lane
+    parts and ranks read at the chain's nodes only: the replay, the lane parts and the graph's
+    ranks read whole were ~35 bytes a node, the annotation's height at 1,024 ranks (#20)."""
     by_part = np.zeros(len(PARTS) + 1)
     by_rank: dict[int, float] = {}
-    steps = sorted(set(g.step[g.kind == STEP_END].tolist()))
-    lane_parts, rank = g.lane_parts.loaded(), g.rank  # once, not once a node (GraphOnDisk)
+    bounds = _step_bounds(g)
+    steps = sorted(set(bounds[2][bounds[1] == STEP_END].tolist()))
     done = 0
     for s in steps:
-        floor, chain = _chain(g, rep, s)
+        r = rep.blocks(keep=CHAIN_BLOCKS)  # a fresh reader a step: none of the last step's blocks held
+        floor, chain = _chain(g, r, s, bounds)
         if floor is None:
             continue
+        nodes = np.array([v for v, _, _ in chain], dtype=np.int64)
+        lane = np.array([cat == LANE for _, _, cat in chain], dtype=bool)
+        parts_of = g.lane_parts.rows_of(nodes[lane])
+        rank_of = g.column_at("rank", nodes[lane]).tolist()
+        j = 0
         for v, p, cat in chain:
-            dt = rep.time[v] - max(rep.time[p], floor)
+            dt = r.time[v] - max(r.time[p], floor)
             if cat == LANE:
-                parts = lane_parts.row(v)
+                parts = parts_of[j]
                 tot = parts.sum()
                 if tot > 0:
                     by_part[:len(PARTS)] += parts / tot * dt
-                by_rank[int(rank[v])] = by_rank.get(int(rank[v]), 0.0) + dt
+                by_rank[rank_of[j]] = by_rank.get(rank_of[j], 0.0) + dt
+                j += 1
             else:
                 by_part[len(PARTS)] += dt
         done += 1
