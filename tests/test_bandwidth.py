@@ -153,3 +153,42 @@ def test_the_report_shows_the_table():
     assert "<td class=muted colspan=6>sizes not recorded</td>" in render(
         diagnosis_dict(shared_diagnosis("param_dlrm_8rank_v100")))
     assert 'id="comm-groups"' not in render(diagnosis_dict(shared_diagnosis("kineto_resnet50_dataloader_v100/nw0")))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matched_transfers_join_as_a_merge_does(seed):
+    """The communication table joins each collective row to its matched transfer by one packed
+    integer a (step, group, order, rank), not by a pandas merge (#20: the merge set the table's
+    height at 1,024 ranks). On random tables with repeated keys, groups the other table lacks,
+    transfers not positive, keys that are not integers and keys too wide to pack, each row gets
+    what a merge of the two gives, assigned in its order (the last match wins)."""
+    import pandas as pd
+
+    from diagnose.step.bandwidth import _Transfers
+    from diagnose.step.collectives import Matched
+
+    rng = np.random.default_rng(seed)
+
+    def table(n, pgs):
+        return pd.DataFrame({"step": rng.integers(0, 2, n), "pg": rng.choice(pgs, n).astype(object),
+                             "seq": rng.integers(0, 3, n), "rank": rng.integers(0, 2, n)})
+
+    pr = table(60, ["0", "1", "tp"])
+    pr["end"] = rng.normal(10, 3, len(pr))
+    pr["latest"] = rng.normal(9, 3, len(pr))
+    allc = table(80, ["0", "1", "dp"])
+    if seed == 4:
+        pr["step"] = pr["step"].astype(float)  # not integers: pandas' join
+    if seed == 5:
+        pr.loc[0, "seq"] = allc.loc[0, "seq"] = 2**40  # too wide to pack: pandas' join
+
+    t = (pr["end"] - pr["latest"]).to_numpy()
+    want = np.full(len(allc), np.nan)
+    m = allc.reset_index().merge(pr[t > 0].assign(tx=t[t > 0]), on=["step", "pg", "seq", "rank"], how="inner")
+    want[m["index"].to_numpy()] = m["tx"].to_numpy()
+    got = _Transfers(Matched(pr, pd.DataFrame(), 1.0)).of(allc)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
+    assert (~np.isnan(want)).sum() >= 5  # rows that match, some of them more than once
+    assert m["index"].duplicated().any() or seed >= 4
+    empty = _Transfers(Matched(pr.iloc[:0], pd.DataFrame(), 1.0)).of(allc)
+    assert np.isnan(empty).all()

@@ -110,50 +110,159 @@ def group_sizes(run: Run) -> dict[str, int]:
 
 def comm_table(run: Run, matched: Matched) -> tuple[GroupComm, ...]:
     """Every (group, kind) with a collective in the profiled steps, and the OUTSIDE row when some
-    exposed communication is in none; sorted by exposed time, largest first."""
+    exposed communication is in none; sorted by exposed time, largest first.
+
+    The table's rows go into groups by codes (their texts named once each), and the transfers
+    matched across ranks are joined to them once, not once a group: a text column a row, a copy
+    of the table with them and one of the matched rows at each group's join were the report's
+    height at 1,024 ranks (#20: 1.84 MB above its base at 1,024 replicated DLRM ranks)."""
     exposed = exposed_by_group(run, matched)
+    matched_tx = _Transfers(matched)  # before the table is read: not both at once
     allc = collectives_table(run, tuple(KEY) + ("name", "bytes", "arrival", "end", "rank"), aligned=False)
-    allc = allc.assign(kind=allc["name"].astype(str).map(collective_kind), pg=allc["pg"].astype(str))
+    tx = matched_tx.of(allc)
+    del matched_tx
+    nbytes = allc["bytes"].to_numpy(dtype=float)
+    own = (allc["end"] - allc["arrival"]).to_numpy(dtype=float)  # from the rank's own arrival
+    # each row's (group, kind) as one code; the texts as str() names them (NaN: "nan")
+    pg_codes, pg_uniq = _codes(allc["pg"].to_numpy())
+    name_codes, name_uniq = _codes(allc["name"].to_numpy())
+    del allc
+    pg_text = [str(u) for u in pg_uniq]
+    kinds = [collective_kind(str(u)) for u in name_uniq]
+    pair = pg_codes.astype(np.int64) * max(len(name_uniq), 1) + name_codes
+    del pg_codes, name_codes
+    pairs, at = np.unique(pair, return_inverse=True)
+    keys = sorted({(pg_text[int(c) // max(len(name_uniq), 1)], kinds[int(c) % max(len(name_uniq), 1)]) for c in pairs})
+    key_of_pair = np.array([keys.index((pg_text[int(c) // max(len(name_uniq), 1)],
+                                        kinds[int(c) % max(len(name_uniq), 1)])) for c in pairs], dtype=np.int64)
+    group = key_of_pair[at.reshape(-1)] if pairs.size else np.zeros(0, dtype=np.int64)
+    del pair, at
     sizes = group_sizes(run)
     world = run.world_size or len(run.ranks)
     rows = []
-    # each group's rows taken by its positions, keys in groupby's sorted order: iterating the
-    # groupby itself sorts a copy of the whole table first (+1.0 MB at 1,024 DLRM ranks, the
-    # client's Python peak then; #20)
-    groups = allc.groupby(["pg", "kind"], sort=True).indices
-    pr = matched.frame(KEY + ["rank", "latest", "end"])  # once for every group (on disk: Matched.on_disk)
-    for pg, kind in sorted(groups):
-        g = allc.take(groups[(pg, kind)])
-        n = sizes.get(str(pg), world)
-        rows.append(GroupComm(group=str(pg), kind=str(kind), ranks=int(n), count=len(g),
-                              exposed_ms_per_step=exposed.get((str(pg), str(kind)), 0.0),
-                              **_bandwidth(g, str(kind), n, pr)))
+    for k, (pg, kind) in enumerate(keys):  # groupby's order: by group, then kind
+        mine = np.flatnonzero(group == k)
+        n = sizes.get(pg, world)
+        rows.append(GroupComm(group=pg, kind=kind, ranks=int(n), count=int(mine.size),
+                              exposed_ms_per_step=exposed.get((pg, kind), 0.0),
+                              **_bandwidth(nbytes[mine], own[mine], tx[mine], kind, n)))
     if OUTSIDE in exposed:
         rows.append(GroupComm(group=OUTSIDE[0], kind=OUTSIDE[1], ranks=world, count=0,
                               exposed_ms_per_step=exposed[OUTSIDE]))
     return tuple(sorted(rows, key=lambda x: -x.exposed_ms_per_step))
 
 
-def _bandwidth(g: pd.DataFrame, kind: str, n: int, pr: pd.DataFrame) -> dict:
-    """The size and speed fields of one group's collectives of known size ({} when none); `pr`,
-    the matched rows' KEY, rank, latest and end (Matched.frame)."""
-    g = g[g["bytes"].to_numpy(dtype=float) > 0]
-    if g.empty:
+def _codes(values: np.ndarray) -> tuple[np.ndarray, list]:
+    """Each value's position among the distinct values (in order of first appearance), and those:
+    pd.factorize's, by a dict of the few distinct texts (factorize sizes its hash table by the
+    rows: 1 MB at 1,024 ranks' 16,384 keys, #20)."""
+    at: dict = {}
+    codes = np.fromiter((at.setdefault(v, len(at)) for v in values.tolist()), dtype=np.int64, count=len(values))
+    return codes, list(at)
+
+
+class _Transfers:
+    """The transfers matched across ranks, from the collective's last arrival to each rank's end
+    where positive (aligned clocks there), by (step, group, order, rank); `of(table)` gives them
+    to a collectives_table's rows (NaN: none), where a key is the matched table's twice the last
+    of them in its order (as a merge of the two assigned in its order gives).
+
+    Joined by one integer a key, packed from the matched table's ranges and sorted, made before
+    the table is read: a pandas merge held both sides, its hash tables and its result at once
+    (#20, the communication table's height at 1,024 ranks)."""
+
+    def __init__(self, matched: Matched) -> None:
+        self._matched = matched
+        self.keys, self.tx = np.zeros(0, dtype=np.int64), np.zeros(0)
+        self.bounds: list[tuple[str, int, int, int]] = []
+        self.pg: dict = {}
+        self.packed = True
+        pr = matched.frame(KEY + ["rank", "latest", "end"])
+        if not len(pr) or "latest" not in pr:
+            return
+        t = (pr["end"] - pr["latest"]).to_numpy(dtype=float)
+        ok = t > 0
+        keys = self._pack(pr, fit=True)
+        del pr
+        if keys is None:
+            self.packed = False
+            return
+        keys, t = keys[ok], t[ok]
+        order = np.argsort(keys, kind="stable")
+        keys, t = keys[order], t[order]
+        last = np.append(keys[1:] != keys[:-1], True)  # the last of each key, in the table's order
+        self.keys, self.tx = keys[last], t[last]
+
+    def _column(self, df: pd.DataFrame, k: str, grow: bool) -> np.ndarray | None:
+        x = df[k].to_numpy()
+        if k == "pg":  # a code a group, by a dict of the few texts (pd.factorize sizes its table by the rows)
+            at = self.pg
+            if grow:
+                return np.fromiter((at.setdefault(v, len(at)) for v in x.tolist()), dtype=np.int64, count=x.size)
+            return np.fromiter((at.get(v, -1) for v in x.tolist()), dtype=np.int64, count=x.size)
+        return x if np.issubdtype(x.dtype, np.integer) else None
+
+    def _pack(self, df: pd.DataFrame, fit: bool) -> np.ndarray | None:
+        """One int64 a row; `fit`: the ranges taken from df (the matched table's). None where a key
+        is not integers (or, fitting, the four do not fit 63 bits); a row of another table outside
+        the ranges (a group the matched table has not) is -1: no match."""
+        cols = {}
+        for k in KEY + ["rank"]:
+            x = self._column(df, k, grow=fit)
+            if x is None:
+                return None
+            cols[k] = x
+        if fit:
+            width = 1
+            for k, x in cols.items():
+                lo = int(x.min(initial=0))
+                span = int(x.max(initial=0)) - lo + 1
+                if width * span >= 2**62:
+                    return None
+                self.bounds.append((k, lo, span, width))
+                width *= span
+        key = np.zeros(len(df), dtype=np.int64)
+        inside = np.ones(len(df), dtype=bool)
+        for k, lo, span, width in self.bounds:
+            x = cols.pop(k).astype(np.int64) - lo
+            inside &= (x >= 0) & (x < span)
+            key += np.where(inside, x, 0) * width
+        key[~inside] = -1
+        return key
+
+    def of(self, table: pd.DataFrame) -> np.ndarray:
+        out = np.full(len(table), np.nan)
+        if self.packed:
+            if not self.keys.size:
+                return out  # nothing matched with a positive transfer
+            mine = self._pack(table, fit=False)
+            if mine is not None:
+                at = np.minimum(np.searchsorted(self.keys, mine), self.keys.size - 1)
+                hit = (self.keys[at] == mine) & (mine >= 0)
+                out[hit] = self.tx[at[hit]]
+                return out
+        # keys that are not integers in either table, or too wide to pack: pandas' join
+        pr = self._matched.frame(KEY + ["rank", "latest", "end"])
+        t = (pr["end"] - pr["latest"]).to_numpy(dtype=float)
+        m = table[KEY + ["rank"]].reset_index(drop=True).reset_index().merge(
+            pr[KEY + ["rank"]][t > 0].assign(tx=t[t > 0]), on=KEY + ["rank"], how="inner")
+        out[m["index"].to_numpy()] = m["tx"].to_numpy()
+        return out
+
+
+def _bandwidth(nbytes: np.ndarray, own: np.ndarray, tx: np.ndarray, kind: str, n: int) -> dict:
+    """The size and speed fields of one group's collectives of known size ({} when none): their
+    bytes, transfers from their own arrival, and from the last arrival where matched (NaN: not)."""
+    sized = nbytes > 0
+    if not sized.any():
         return {}
-    transfer = (g["end"] - g["arrival"]).to_numpy(dtype=float, copy=True)
-    is_matched = np.zeros(len(g), dtype=bool)
-    if len(pr) and "latest" in pr:
-        # aligned clocks there: the transfer runs from the last arrival to this rank's end
-        m = g[KEY + ["rank"]].reset_index(drop=True).reset_index().merge(
-            pr[KEY + ["rank", "latest", "end"]], on=KEY + ["rank"], how="inner")
-        tx = (m["end"] - m["latest"]).to_numpy(dtype=float)
-        ok = tx > 0
-        idx = m["index"].to_numpy()[ok]
-        transfer[idx], is_matched[idx] = tx[ok], True
+    nbytes, own, tx = nbytes[sized], own[sized], tx[sized]
+    is_matched = ~np.isnan(tx)
+    transfer = np.where(is_matched, tx, own)
     keep = transfer > 0
     if not keep.any():
         return {}
-    size = g["bytes"].to_numpy(dtype=float)[keep] * (n if kind == "all_gather" else 1)
+    size = nbytes[keep] * (n if kind == "all_gather" else 1)
     alg = float(np.median(size / transfer[keep] / 1e3))  # bytes per us -> GB/s
     factor = bus_factor(kind, n)
     med = float(np.median(size))
