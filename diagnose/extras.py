@@ -242,18 +242,14 @@ def _lateness_extra(ctx: Context) -> dict:
     """Rank x collective arrival lateness (ms) for the report's heatmap; capped in size. The
     matrix is one array until it is written (model.Grid; output._clean makes it lists): as lists of
     Python floats, held to the end, it was 0.28 MB more at 1,024 DLRM ranks than at 256
-    (tracemalloc, #20)."""
+    (tracemalloc, #20). The matched table's columns are read a few at a time, each once its
+    reader comes: all six at once, and the keys sorted as a table, were the extra's height at
+    1,024 ranks (1.28 MB above its base; #20)."""
     key = ["step", "pg", "seq"]
-    # only the columns read: the whole matched table sorted was a copy of every column (#20)
-    pr = ctx.matched.frame(["rank", *key, "name", "lateness"])
-    if pr.empty:
+    kf = ctx.matched.frame(key)
+    if kf.empty:
         return {}
-    # the rows' order sorted by the keys (sort_values' own: stable, missing keys last), the
-    # keys alone sorted: not every column of the table
-    ks = pr[key].reset_index(drop=True).sort_values(key)
-    at = ks.index.to_numpy()
-    first = ~ks.duplicated().to_numpy()  # each collective's first row, in the sorted order
-    del ks
+    at, first = _sorted_keys(kf)
     gid = np.cumsum(first) - 1  # each sorted row's collective, numbered in that order
     keep = gid < MAX_LATENESS_COLUMNS
     at, gid, first = at[keep], gid[keep], first[keep]
@@ -261,18 +257,45 @@ def _lateness_extra(ctx: Context) -> dict:
     # made once per collective (at most 200), not per row: a string of every row, thrice, set the
     # client's peak at 1,024 ranks
     heads = at[first]
-    kf = pd.DataFrame({k: pr[k].to_numpy()[heads] for k in key})
-    kf["name"] = pd.Series(pr["name"].to_numpy()[at]).groupby(gid, sort=False).first().to_numpy()
+    several = pd.Series(kf["pg"].to_numpy()[at]).nunique() > 1
+    kf = pd.DataFrame({k: kf[k].to_numpy()[heads] for k in key})
+    name = ctx.matched.frame(["name"])["name"].to_numpy()
+    kf["name"] = pd.Series(name[at]).groupby(gid, sort=False).first().to_numpy()
+    del name
     label = "step " + kf["step"].astype(str) + " · " + kf["name"].astype(str).str.rsplit(":", n=1).str[-1] \
         + " #" + kf["seq"].astype(str)
-    if pd.Series(pr["pg"].to_numpy()[at]).nunique() > 1:
+    if several:
         label = label + " (group " + kf["pg"].astype(str) + ")"
     labels = label.to_numpy(dtype=object)
+    del kf, label
+    pr = ctx.matched.frame(["rank", "lateness"])
     ranks, lateness = pr["rank"].to_numpy()[at], pr["lateness"].to_numpy(dtype=float)[at]
-    del pr, kf, label
+    del pr
     ranks_out, cols, mat = _pivot_mean(ranks, gid, lateness)
     return {"ranks": [int(r) for r in ranks_out], "collectives": [str(labels[c]) for c in cols],
             "lateness_ms": Grid(np.round(mat / 1000, 3))}
+
+
+def _sorted_keys(kf: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' order sorted by (step, pg, seq) as sort_values gives it (stable) and, in that
+    order, each collective's first row (~duplicated()): by one packed integer a row where the
+    groups are texts and the rest integers (the keys sorted as a table were a copy of
+    each and pandas' hash table of every row, #20), else pandas' own."""
+    step, pg, seq = (kf[k].to_numpy() for k in ("step", "pg", "seq"))
+    texts = pg.tolist()
+    ints = np.issubdtype(step.dtype, np.integer) and np.issubdtype(seq.dtype, np.integer)
+    if ints and all(type(v) is str for v in texts):
+        code = {v: i for i, v in enumerate(sorted(set(texts)))}
+        g = np.fromiter((code[v] for v in texts), dtype=np.int64, count=len(texts))
+        lo_s, lo_q = int(step.min()), int(seq.min())
+        span_g, span_q = len(code), int(seq.max()) - lo_q + 1
+        if (int(step.max()) - lo_s + 1) * span_g * span_q < 2**62:
+            packed = ((step.astype(np.int64) - lo_s) * span_g + g) * span_q + (seq.astype(np.int64) - lo_q)
+            at = np.argsort(packed, kind="stable")
+            packed = packed[at]
+            return at, np.append(True, packed[1:] != packed[:-1])
+    ks = kf[["step", "pg", "seq"]].reset_index(drop=True).sort_values(["step", "pg", "seq"])
+    return ks.index.to_numpy(), ~ks.duplicated().to_numpy()
 
 
 def _pivot_mean(rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -193,3 +193,26 @@ def test_diagnosis_dict_shares_the_extras_and_writes_the_same_json():
     assert body["extras"]["timeline"]["ranks"][0]["lanes"][key] is lanes[key]
     assert orjson.dumps(body, option=option) == copied
     assert pickle.dumps(d.extras) == before  # the cleaning changed none of the Diagnosis's own lists
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_heatmaps_collectives_sorted_as_pandas_sorts_them(seed):
+    """The lateness heatmap sorts the matched rows by (step, group, order) by one packed integer a
+    row (#20: the keys sorted as a table set the extra's height at 1,024 ranks): the same order
+    and the same first row of each collective as sort_values and duplicated give, ties kept in
+    the table's order; keys that are not integers go to pandas."""
+    import numpy as np
+    import pandas as pd
+
+    from diagnose.extras import _sorted_keys
+
+    rng = np.random.default_rng(seed)
+    n = 300
+    kf = pd.DataFrame({"step": rng.integers(-1, 4, n), "pg": rng.choice(["0", "10", "2", "tp:1"], n).astype(object),
+                       "seq": rng.integers(0, 6, n)})
+    if seed == 3:
+        kf["seq"] = kf["seq"].astype(float)  # not integers: pandas' own
+    ks = kf.reset_index(drop=True).sort_values(["step", "pg", "seq"])
+    at, first = _sorted_keys(kf)
+    assert np.array_equal(at, ks.index.to_numpy()) and np.array_equal(first, ~ks.duplicated().to_numpy())
+    assert 1 < first.sum() < n
