@@ -27,7 +27,7 @@ costs, what 64 workers would take (`_at_64`). tests/test_bench_cluster.py runs e
     python benchmarks/bench_cluster.py --phases 512      # the client's Python memory by phase
     python benchmarks/bench_cluster.py --resident 1024   # its resident memory by phase and check
     python benchmarks/bench_cluster.py --resident 1024 --paths cluster   # the same, read on a LocalCluster
-    python benchmarks/bench_cluster.py --held 256,1024   # which objects held grow with the ranks
+    python benchmarks/bench_cluster.py --held 256,1024   # which objects held grow with the ranks; the answer's own size
     python benchmarks/bench_cluster.py --ranks 16,64 --paths local \\
         --source ../shared/traces/kineto_resnet50_dataloader_v100/nw0   # heavier ranks (26 MB each)
 
@@ -206,7 +206,7 @@ def _mark_phases(mark: Callable[[str], None]) -> None:
                                for e in pipeline.CHECKLIST)
 
 
-def _traced_run(target: str, frames: int = 1) -> None:
+def _traced_run(target: str, frames: int = 1):
     """The single-machine path under tracemalloc in this process; the pool's forked readers
     untraced (they are not the client, and tracing them slowed a 1,024-rank run past 10 min)."""
     import os
@@ -216,7 +216,7 @@ def _traced_run(target: str, frames: int = 1) -> None:
 
     os.register_at_fork(after_in_child=tracemalloc.stop)
     tracemalloc.start(frames)
-    pipeline.diagnose_paths([target], jobs=2)
+    return pipeline.diagnose_paths([target], jobs=2)
 
 
 def phases(n: int, source: Path = SOURCE) -> None:
@@ -244,7 +244,9 @@ def held(counts: list[int], source: Path = SOURCE) -> int:
     the checks' results and the breakdown keep), at two rank counts, compared by where each block
     was allocated, the largest growth first: which objects grow with the ranks (#20). Each count in
     a child process of its own, under tracemalloc (4 frames, its forked readers untraced), after a
-    full collection (Python's free lists emptied: they are not objects held)."""
+    full collection (Python's free lists emptied: they are not objects held). And the answer's own
+    size, the Diagnosis returned: what it holds after a full collection less what is held once it
+    is dropped (its per-rank rows grow with the ranks whatever the analysis keeps)."""
     import pickle
 
     snaps = []
@@ -257,7 +259,9 @@ def held(counts: list[int], source: Path = SOURCE) -> int:
                 print((res.stderr.strip().splitlines() or ["failed"])[-1][:300])
                 return 1
             snaps.append(pickle.loads(out.read_bytes()))
-    a, b = snaps
+    (a, answer_a), (b, answer_b) = snaps
+    print(f"the answer itself (the Diagnosis the analysis returns, its per-rank rows that diagnosis.json "
+          f"holds): {answer_a / 1e6:.2f} MB at {counts[0]} ranks, {answer_b / 1e6:.2f} at {counts[1]}")
     print(f"the client's Python memory held when the replays start: {sum(t.size for t in a.traces) / 1e6:.2f} MB "
           f"at {counts[0]} ranks, {sum(t.size for t in b.traces) / 1e6:.2f} at {counts[1]}; the largest "
           "differences by where they were allocated (most recent frame first):")
@@ -286,7 +290,13 @@ def held_of(target: str, out: str) -> None:
         return inner(*a, **k)
 
     pipeline.annotate = snapshot_first
-    _traced_run(target, frames=4)
+    d = _traced_run(target, frames=4)
+    gc.collect()
+    with_it = tracemalloc.get_traced_memory()[0]
+    del d
+    gc.collect()
+    answer = with_it - tracemalloc.get_traced_memory()[0]
+    Path(out).write_bytes(pickle.dumps((pickle.loads(Path(out).read_bytes()), answer)))
 
 
 def _status_mb() -> tuple[float, float]:

@@ -44,4 +44,6 @@ def test_the_memory_by_phase(mode):
 def test_what_is_held_at_two_rank_counts():
     out = _bench("--held", "2,4")
     assert re.search(r"held when the replays start: \d+\.\d\d MB at 2 ranks, \d+\.\d\d at 4", out), out
+    sizes = re.search(r"the answer itself .*: (\d+\.\d\d) MB at 2 ranks, (\d+\.\d\d) at 4", out)
+    assert sizes and 0 < float(sizes[1]) <= float(sizes[2]), out
     assert re.search(r"^  +[+-]\d+\.\d KB +[+-]\d+ blocks  \S+\.py:\d+", out, re.M), out
