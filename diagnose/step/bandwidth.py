@@ -124,23 +124,23 @@ def comm_table(run: Run, matched: Matched) -> tuple[GroupComm, ...]:
     nbytes = allc["bytes"].to_numpy(dtype=float)
     own = (allc["end"] - allc["arrival"]).to_numpy(dtype=float)  # from the rank's own arrival
     # each row's (group, kind) as one code; the texts as str() names them (NaN: "nan")
-    pg_codes, pg_uniq = _codes(allc["pg"].to_numpy())
-    name_codes, name_uniq = _codes(allc["name"].to_numpy())
+    pg_codes, pg_at = _codes(allc["pg"].to_numpy())
+    name_codes, name_at = _codes(allc["name"].to_numpy())
     del allc
-    pg_text = [str(u) for u in pg_uniq]
-    kinds = [collective_kind(str(u)) for u in name_uniq]
-    pair = pg_codes.astype(np.int64) * max(len(name_uniq), 1) + name_codes
+    width = max(len(name_at), 1)
+    pairs, at = np.unique(pg_codes * width + name_codes, return_inverse=True)
     del pg_codes, name_codes
-    pairs, at = np.unique(pair, return_inverse=True)
-    keys = sorted({(pg_text[int(c) // max(len(name_uniq), 1)], kinds[int(c) % max(len(name_uniq), 1)]) for c in pairs})
-    key_of_pair = np.array([keys.index((pg_text[int(c) // max(len(name_uniq), 1)],
-                                        kinds[int(c) % max(len(name_uniq), 1)])) for c in pairs], dtype=np.int64)
-    group = key_of_pair[at.reshape(-1)] if pairs.size else np.zeros(0, dtype=np.int64)
-    del pair, at
+    pg_text, kinds = [str(u) for u in pg_at], [collective_kind(str(u)) for u in name_at]
+    named = [(pg_text[int(c) // width], kinds[int(c) % width]) for c in pairs]
+    keys = sorted(set(named))  # groupby's order: by group, then kind
+    pos = {k: i for i, k in enumerate(keys)}
+    group = np.array([pos[x] for x in named], dtype=np.int64)[at.reshape(-1)] if named \
+        else np.zeros(0, dtype=np.int64)
+    del at
     sizes = group_sizes(run)
     world = run.world_size or len(run.ranks)
     rows = []
-    for k, (pg, kind) in enumerate(keys):  # groupby's order: by group, then kind
+    for k, (pg, kind) in enumerate(keys):
         mine = np.flatnonzero(group == k)
         n = sizes.get(pg, world)
         rows.append(GroupComm(group=pg, kind=kind, ranks=int(n), count=int(mine.size),
@@ -152,13 +152,17 @@ def comm_table(run: Run, matched: Matched) -> tuple[GroupComm, ...]:
     return tuple(sorted(rows, key=lambda x: -x.exposed_ms_per_step))
 
 
-def _codes(values: np.ndarray) -> tuple[np.ndarray, list]:
-    """Each value's position among the distinct values (in order of first appearance), and those:
-    pd.factorize's, by a dict of the few distinct texts (factorize sizes its hash table by the
-    rows: 1 MB at 1,024 ranks' 16,384 keys, #20)."""
-    at: dict = {}
-    codes = np.fromiter((at.setdefault(v, len(at)) for v in values.tolist()), dtype=np.int64, count=len(values))
-    return codes, list(at)
+def _codes(values: np.ndarray, at: dict | None = None, grow: bool = True) -> tuple[np.ndarray, dict]:
+    """Each value's code in `at` (value -> code, new values given the next code in order of first
+    appearance; not `grow`: -1 for a value it lacks), and `at`: pd.factorize's codes by a dict of
+    the few distinct texts (factorize sizes its hash table by the rows: 1 MB at 1,024 ranks'
+    16,384 keys, #20)."""
+    at = {} if at is None else at
+    if grow:
+        codes = (at.setdefault(v, len(at)) for v in values.tolist())
+    else:
+        codes = (at.get(v, -1) for v in values.tolist())
+    return np.fromiter(codes, dtype=np.int64, count=len(values)), at
 
 
 class _Transfers:
@@ -195,11 +199,8 @@ class _Transfers:
 
     def _column(self, df: pd.DataFrame, k: str, grow: bool) -> np.ndarray | None:
         x = df[k].to_numpy()
-        if k == "pg":  # a code a group, by a dict of the few texts (pd.factorize sizes its table by the rows)
-            at = self.pg
-            if grow:
-                return np.fromiter((at.setdefault(v, len(at)) for v in x.tolist()), dtype=np.int64, count=x.size)
-            return np.fromiter((at.get(v, -1) for v in x.tolist()), dtype=np.int64, count=x.size)
+        if k == "pg":  # a code a group, the matched table's (_codes: why not pd.factorize)
+            return _codes(x, self.pg, grow)[0]
         return x if np.issubdtype(x.dtype, np.integer) else None
 
     def _pack(self, df: pd.DataFrame, fit: bool) -> np.ndarray | None:

@@ -467,9 +467,8 @@ REPLAY_BLOCK = 4096
 """Nodes of the graph's columns a replay reads at a time. What it needs whole is what it writes
 (each node's time and predecessor, read back at any earlier node); the columns it only reads,
 the weights among them, a block at a time: the eight it reads of the graph's, whole, were 34 B a
-node more at each replay (#20: at 1,024
-replicated DLRM ranks, 25,728 nodes, a replay of the graph on disk peaked at 1.65 MB of Python
-memory, 1.03 in blocks; tracemalloc)."""
+node more at each replay (#20: at 1,024 replicated DLRM ranks, 25,728 nodes, a replay of the
+graph on disk peaked at 1.65 MB of Python memory, 1.03 in blocks; tracemalloc)."""
 _REPLAY_COLUMNS = ("kind", "time", "lane_prev", "group", "order_prev", "resume_of", "lag", "after_arrival")
 AS_LISTS = 128
 """Nodes whose columns the replay's loop reads as lists at a time: a Python object a cell, so a
