@@ -279,8 +279,8 @@ def _lateness_extra(ctx: Context) -> dict:
 def _sorted_keys(kf: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """The rows' order sorted by (step, pg, seq) as sort_values gives it (stable) and, in that
     order, each collective's first row (~duplicated()): by one packed integer a row where the
-    groups are texts and the rest integers (the keys sorted as a table were a copy of
-    each and pandas' hash table of every row, #20), else pandas' own."""
+    groups are texts and the rest integers (the keys sorted as a table were a copy of each and
+    pandas' hash table of every row, #20), else pandas' own."""
     step, pg, seq = (kf[k].to_numpy() for k in ("step", "pg", "seq"))
     texts = pg.tolist()
     ints = np.issubdtype(step.dtype, np.integer) and np.issubdtype(seq.dtype, np.integer)
