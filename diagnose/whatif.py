@@ -54,23 +54,8 @@ MIN_STEPS_FOR_BEST = 3
 
 def _parts(fracs: dict[str, float]) -> Edit:
     def edit(g, w, tr, ranks):
-        return _without(g, w, fracs), tr
+        return sg.without_parts(g, fracs, w), tr
     return edit
-
-
-def _without(g: sg.StepGraph, w: np.ndarray, fracs: dict[str, float]) -> np.ndarray:
-    """max(w - the parts' fractions, 0), read as the parts are held: their non-zero cells (a dense
-    column of each part and their sum were 8 bytes a node apiece at the height of the checks
-    that ask for the edit, #20). Added in the order the dense sum added them: the same bits."""
-    got = [g.lane_parts.part(sg.PARTS.index(p)) for p in fracs]
-    rows = np.unique(np.concatenate([r for r, _ in got])) if got else np.empty(0, dtype=np.int64)
-    cut = np.zeros(rows.size)
-    for (r, v), frac in zip(got, fracs.values()):
-        cut[np.searchsorted(rows, r)] += frac * v  # each node once a part
-    del got
-    out = np.maximum(w, 0.0)  # what max(w - 0, 0) gives where no part has a cell
-    out[rows] = np.maximum(w[rows] - cut, 0.0)
-    return out
 
 
 def _straggler(g, w, tr, ranks):
@@ -78,7 +63,7 @@ def _straggler(g, w, tr, ranks):
 
 
 def _comm_hidden(g, w, tr, ranks):
-    return _without(g, w, {"comm_wait": 1.0}), np.zeros(g.n_nodes)
+    return sg.without_parts(g, {"comm_wait": 1.0}, w), np.zeros(g.n_nodes)
 
 
 def _comm_best(g, w, tr, ranks):

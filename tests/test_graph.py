@@ -338,13 +338,13 @@ def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
 @pytest.mark.parametrize("where", ["param_dlrm_8rank_v100", "cpu_lightning_straggler_2rank", "gpu_h200/tiny-kernels"])
 def test_a_what_ifs_replay_and_edits_are_the_dense_ones_to_the_bit(where):
     """A what-if's replay keeps no path (replay(path=False): via None), its weights and transfers
-    read a block at a time, never copied whole; the parts' edits read the parts' non-zero cells,
-    not a dense column each (#20: ~50 bytes a node at the height of every check that asks a
+    read a block at a time, never copied whole; the parts' edits (without_parts) read the parts'
+    non-zero cells, not a dense column each (#20: ~50 bytes a node at the height of every check that asks a
     what-if). The times are the replay's with its path, given weights and transfers or the
     graph's; an after-arrival resume (CPU lanes) reads its transfer where it lies; the edited
     weights are max(w - the sum of each part's fraction, 0) over dense columns, bit for bit."""
     from diagnose.ingest.spill import Spill
-    from diagnose.whatif import EDITS, _without
+    from diagnose.whatif import EDITS
     from tests.conftest import fixture_run
 
     run = shared_run(where) if (SHARED / where).is_dir() else fixture_run(Path(__file__).parent / "fixtures" / where)
@@ -365,7 +365,7 @@ def test_a_what_ifs_replay_and_edits_are_the_dense_ones_to_the_bit(where):
         for w in (g.lane_parts.total, g.lane_parts.total * 1.3 - 5.0):
             dense = np.maximum(w - sum(f * g.lane_parts.column(sg.PARTS.index(p)) for p, f in fracs.items()), 0.0)
             for graph in (g, disk):
-                got = _without(graph, w, fracs)
+                got = sg.without_parts(graph, fracs, w)
                 assert got.dtype == dense.dtype and np.array_equal(got.view(np.int64), dense.view(np.int64)), fracs
         touched += not np.array_equal(dense, np.maximum(w, 0.0))
     assert touched >= 2  # some of these parts are on this run's lanes
