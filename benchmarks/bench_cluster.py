@@ -279,24 +279,23 @@ def held_of(target: str, out: str) -> None:
     from diagnose import pipeline
 
     inner = pipeline.annotate
+    snaps = []
 
     def snapshot_first(*a, **k):
-        if not Path(out).exists():
+        if not snaps:
             gc.collect()
             # what imports made while it ran (a module imported at its first use) is no rank's
-            snap = tracemalloc.take_snapshot().filter_traces(
-                [tracemalloc.Filter(False, f) for f in (tracemalloc.__file__, "<frozen abc>", "<frozen importlib.*")])
-            Path(out).write_bytes(pickle.dumps(snap))
+            snaps.append(tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(False, f) for f in (tracemalloc.__file__, "<frozen abc>", "<frozen importlib.*")]))
         return inner(*a, **k)
 
     pipeline.annotate = snapshot_first
     d = _traced_run(target, frames=4)
     gc.collect()
-    with_it = tracemalloc.get_traced_memory()[0]
+    with_it = tracemalloc.get_traced_memory()[0]  # the snapshot held at both readings: it cancels
     del d
     gc.collect()
-    answer = with_it - tracemalloc.get_traced_memory()[0]
-    Path(out).write_bytes(pickle.dumps((pickle.loads(Path(out).read_bytes()), answer)))
+    Path(out).write_bytes(pickle.dumps((snaps[0], with_it - tracemalloc.get_traced_memory()[0])))
 
 
 def _status_mb() -> tuple[float, float]:

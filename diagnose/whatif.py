@@ -83,8 +83,9 @@ EDITS: dict[str, Edit] = {
     "host_sync": _parts({"idle_sync": 1.0}),
     "reduce_dtype": _reduce_bf16,
 }
-KEEP_TRANSFERS = frozenset({"dataloader_starvation", "input_stall", "straggler", "launch_overhead", "host_sync"})
-"""Edits that change lane weights alone: they pass the transfers through as given (None too)."""
+READS_TRANSFERS = frozenset({"reduce_dtype", "best_transfer"})
+"""Edits that start from the transfers (they shrink them); the others pass them through as given
+(None too) or set their own (hiding them: zero), so the model reads the graph's for these alone."""
 # causes whose edit applies only where their check finds them: no cost of their own otherwise
 ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype"})
 # what-ifs given as metrics only
@@ -134,11 +135,10 @@ class StepModel:
         if fn is None or (cause == "best_transfer" and self.steps < MIN_STEPS_FOR_BEST):
             return None
         # the graph's weights read (from disk: GraphOnDisk) only where none are given, its
-        # transfers only for an edit that changes them (tr None: the graph's, unchanged): read
+        # transfers only for an edit that starts from them (tr None: the graph's, unchanged): read
         # always, two arrays a node were held beside the edit's own at the replays' height (#20)
         w0 = self.graph.lane_parts.total if w is None else w
-        tr0 = self.graph.transfer if tr is None and cause not in KEEP_TRANSFERS and cause != "exposed_communication" \
-            else tr  # hiding the transfers sets them to zero: it needs none read
+        tr0 = self.graph.transfer if tr is None and cause in READS_TRANSFERS else tr
         w1, tr1 = fn(self.graph, w0, tr0, tuple(ranks))
         del w0, tr0  # compared with the graph's a block at a time below, not held beside the edit's
         if w is None and tr is None and self._as_graph(w1, tr1):

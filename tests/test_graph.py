@@ -323,13 +323,16 @@ def test_the_graph_on_disk_reads_and_replays_as_the_graph_in_memory(name):
         assert mem.saving(cause) == model.saving(cause), cause
     every = {c: (tuple(g.ranks[:1]) if c == "straggler" else ()) for c in EDITS}  # chained edits
     assert mem.without(every) == model.without(every) < model.base.mean_step_ms
-    # the edits that leave the transfers be pass them through as given: the model reads the
-    # graph's only for the others (whatif.KEEP_TRANSFERS)
-    from diagnose.whatif import KEEP_TRANSFERS
+    # the model reads the graph's transfers only for the edits that start from them
+    # (whatif.READS_TRANSFERS): any other gives the same whether it is handed them or None
+    from diagnose.whatif import EXTRA_EDITS, READS_TRANSFERS
     tr = g.transfer.copy()
-    for cause, fn in EDITS.items():
-        kept = fn(g, g.lane_parts.total, tr, tuple(g.ranks[:1]))[1] is tr
-        assert kept == (cause in KEEP_TRANSFERS), cause
+    for cause, fn in {**EDITS, **EXTRA_EDITS}.items():
+        if cause in READS_TRANSFERS:
+            continue
+        given = fn(g, g.lane_parts.total, tr, tuple(g.ranks[:1]))[1]
+        bare = fn(g, g.lane_parts.total, None, tuple(g.ranks[:1]))[1]
+        assert (given is tr and bare is None) or np.array_equal(given, bare), cause
     assert sg.critical_path(g, mem.base) == sg.critical_path(disk, model.base)
     s = int(g.step[g.kind == sg.STEP_END][0])
     assert sg.critical_segments(g, mem.base, s) == sg.critical_segments(disk, model.base, s)
