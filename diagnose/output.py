@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -44,13 +45,46 @@ def _clean(x):
     return x
 
 
-def diagnosis_dict(d: Diagnosis) -> dict:
+JSON_OPTIONS = orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+"""diagnosis.json's layout: two spaces an indent level, numpy's scalars and arrays as numbers."""
+PIECE_ITEMS = 64
+"""A list or dict of more items than this (a rank's or a row's each) is written an item at a time
+(json_parts), as is every list and dict of the document's first PIECE_LEVELS levels."""
+PIECE_LEVELS = 4
+"""Deep enough that what orjson writes whole is one rank's part of an extra (the report's timeline
+lanes: 16 ranks of ~30 KB each for a DLRM rank, written whole they were 0.5 MB and its indented copy)."""
+
+
+class RowDicts(Sequence):
+    """The breakdown as diagnosis.json holds it, each row's dict made when read: the writers (JSON,
+    report) read it a row at a time, so a run's rows (a rank's every step) are never all dicts at
+    once; as a list they were the report's largest growth with the ranks (#20)."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: Sequence) -> None:
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [_clean(asdict(s)) for s in self._rows[i]]
+        return _clean(asdict(self._rows[i]))
+
+    def __iter__(self):
+        return (_clean(asdict(s)) for s in self._rows)
+
+
+def diagnosis_dict(d: Diagnosis, rows_when_read: bool = False) -> dict:
     """The Diagnosis as diagnosis.json holds it. Its extras are the Diagnosis's own dicts and
     lists wherever they are already JSON (not copied: read it, do not change it): copied twice
     (asdict, then _clean), the report's timeline lanes alone took the JSON's making 13 MB above
-    the analysis at 256 ResNet-50 ranks, against 1 now (docs/cluster-memory-log.md)."""
+    the analysis at 256 ResNet-50 ranks, against 1 now (docs/cluster-memory-log.md).
+    rows_when_read: the breakdown a RowDicts (each row made as it is read), not a list."""
     body = asdict(replace(d, breakdown=(), extras={}))  # the rows one at a time below, not deep-copied first
-    body["breakdown"] = [asdict(s) for s in d.breakdown]
+    rows = RowDicts(d.breakdown)
     return _clean({
         "schema_version": d.schema_version,
         "tool": {"name": "torch-diagnose", "version": __version__},
@@ -60,11 +94,45 @@ def diagnosis_dict(d: Diagnosis) -> dict:
         # a check keeps its numbers even when it passed: "why not flagged" is evidence too
         "checks": [{**{k: v for k, v in c.items() if k != "finding"},
                     "metrics": c["finding"]["metrics"] if c.get("finding") else {}} for c in body["checks"]],
-        "breakdown": body["breakdown"],
+        "breakdown": rows if rows_when_read else list(rows),
         "warnings": body["warnings"],
         "skipped": body["skipped"],
         "extras": d.extras,
     })
+
+
+def json_parts(x, depth: int = 0) -> Iterator[bytes]:
+    """`x` as orjson.dumps(_clean(x), option=JSON_OPTIONS) writes it, byte for byte, in pieces:
+    the document's first levels and every long list or dict an item at a time (a RowDicts a
+    row at a time, a Grid a row at a time), the rest by orjson whole. diagnosis.json made as one
+    text was held whole beside the answer: 3.6 MB above it at 1,024 DLRM ranks, 1.4 at 256 (#20).
+    `depth`: the indent level `x` is written at."""
+    if isinstance(x, Grid) and x.values.ndim == 2:
+        items, n = (row.tolist() for row in x.values), len(x.values)
+    elif isinstance(x, (list, tuple, RowDicts)):
+        items, n = iter(x), len(x)
+    elif isinstance(x, dict):
+        items, n = None, len(x)
+    else:
+        items, n = None, 0
+    if n and (depth < PIECE_LEVELS or n > PIECE_ITEMS) and (items is not None or isinstance(x, dict)):
+        pad = b"\n" + b"  " * (depth + 1)
+        sep = b"[" if items is not None else b"{"
+        if items is not None:
+            for v in items:
+                yield sep + pad
+                yield from json_parts(v, depth + 1)
+                sep = b","
+        else:
+            # non-text keys as _clean writes them (str(k)): a collision keeps the first place, the last value
+            for k, v in (x if all(type(k) is str for k in x) else {str(k): v for k, v in x.items()}).items():
+                yield sep + pad + orjson.dumps(k) + b": "
+                yield from json_parts(v, depth + 1)
+                sep = b","
+        yield b"\n" + b"  " * depth + (b"]" if items is not None else b"}")
+        return
+    text = orjson.dumps(_clean(x), option=JSON_OPTIONS)
+    yield text.replace(b"\n", b"\n" + b"  " * depth) if depth else text
 
 
 def _reason(d: Diagnosis, check_id: str) -> str:
@@ -83,7 +151,7 @@ def _verdict(d: Diagnosis) -> str:
 
 def write_json(d: Diagnosis, out_dir: Path) -> Path:
     path = out_dir / "diagnosis.json"
-    write_atomic(path, orjson.dumps(diagnosis_dict(d), option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    write_atomic(path, lambda: json_parts(diagnosis_dict(d, rows_when_read=True)))
     return path
 
 

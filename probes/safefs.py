@@ -22,11 +22,16 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW = os.O_NOFOLLOW
 TMP_SUFFIX = ".tmp"
+
+
+Data = bytes | Callable[[], Iterable[bytes]]
+"""What a file is written from: its bytes, or a function that gives them in pieces."""
 
 
 class UnsafePath(OSError):
@@ -145,8 +150,10 @@ class SafeDir:
             os.close(fd)
 
     # ---- writing -------------------------------------------------------------------
-    def write_atomic(self, name: str, data: bytes, mode: int = 0o644) -> None:
-        """Replace `name` with `data` in one rename: a reader sees the old file or the new one."""
+    def write_atomic(self, name: str, data: Data, mode: int = 0o644) -> None:
+        """Replace `name` with `data` in one rename: a reader sees the old file or the new one.
+        `data`: the bytes, or a function giving them in pieces (called again on a retry), so that
+        an output larger than what makes it need never be held whole (diagnose/output.py)."""
         _check_name(name)
         for attempt in range(3):
             try:
@@ -238,9 +245,10 @@ class PrivateTmp(SafeDir):
         self.parent = parent
         self.name = name
 
-    def write_new(self, name: str, data: bytes, mode: int = 0o644) -> None:
+    def write_new(self, name: str, data: Data, mode: int = 0o644) -> None:
         with self.open_new(name, mode) as f:
-            f.write(data)
+            for part in ((data,) if isinstance(data, bytes) else data()):
+                f.write(part)
 
     def open_new(self, name: str, mode: int = 0o644):
         """A new binary file here (exclusive, no symlink), its mode set on the descriptor."""
@@ -276,7 +284,7 @@ class PrivateTmp(SafeDir):
             _rmdir_quietly(self.name, self.parent.fd)
 
 
-def write_atomic(path: str | Path, data: bytes, mode: int = 0o644) -> None:
+def write_atomic(path: str | Path, data: Data, mode: int = 0o644) -> None:
     """Write `path` via a private temp directory and one rename. The directory is the one the
     user named (not strict: it may be a link they made or a team directory)."""
     path = Path(path)

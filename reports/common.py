@@ -10,6 +10,7 @@ import functools
 import html
 import json
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from importlib import resources
 
 import orjson
@@ -47,31 +48,50 @@ def _plotly_js() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _plotly_js_packed() -> str:
+def _plotly_gzip() -> bytearray:
+    """plotly.js gzipped (read only, though a bytearray: the stream grows in place, never joined
+    from its pieces, a copy as large), packed from the package's file a piece at a time
+    (gzip.compress(..., mtime=0) is this zlib stream, byte for byte): as one text, plotly.js (a few
+    non-ASCII characters) was held at two bytes a character beside its encoding and the gzip: 17
+    MB more at the highest point and 11 MB held after, against 5 and 2 (the report command's
+    memory, docs/cluster-memory-log.md)."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: a gzip header (mtime 0) and trailer
+    out = bytearray()
+    with resources.files("plotly").joinpath(PLOTLY_JS).open("rb") as f:
+        while chunk := f.read(1 << 18):
+            out += z.compress(chunk)
+    out += z.flush()
+    return out
+
+
+PACKED_CHUNK = 3 << 16
+"""Bytes of the gzip base64-encoded at a time (a multiple of 3: the pieces join into one encoding)."""
+
+
+def _plotly_js_packed_parts() -> Iterator[str]:
     """plotly.js gzipped and base64-encoded: 4.8 MB becomes 2.0 MB in every page, which stays one
     self-contained file (no plotly partial bundle ships with the Python package, so the page
     cannot embed only the chart types it uses). The browser unpacks it with DecompressionStream
     (Chromium 80, Firefox 113, Safari 16.4); an older browser shows the tables and says why the
-    charts are missing.
-    Packed from the package's file a megabyte at a time (gzip.compress(..., mtime=0) is this
-    zlib stream, byte for byte): as one text, plotly.js (a few non-ASCII characters) was held
-    at two bytes a character beside its encoding and the gzip: 17 MB more at the highest point
-    and 11 MB held after, against 5 and 2 (the report command's memory, docs/cluster-memory-log.md)."""
-    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: a gzip header (mtime 0) and trailer
-    parts = []
-    with resources.files("plotly").joinpath(PLOTLY_JS).open("rb") as f:
-        while chunk := f.read(1 << 20):
-            parts.append(z.compress(chunk))
-    parts.append(z.flush())
-    return base64.b64encode(b"".join(parts)).decode("ascii")
+    charts are missing. Encoded a piece at a time as the page is written: the whole encoding,
+    held beside the gzip, was the report's highest point at 256 DLRM ranks (#20)."""
+    gz = _plotly_gzip()
+    for i in range(0, len(gz), PACKED_CHUNK):
+        yield base64.b64encode(gz[i:i + PACKED_CHUNK]).decode("ascii")
+
+
+def _plotly_js_packed() -> str:
+    """The pieces as one text (the tests look for it in a page)."""
+    return "".join(_plotly_js_packed_parts())
 
 
 def _dict(x) -> dict:
     return x if isinstance(x, dict) else {}
 
 
-def _list(x) -> list:
-    return x if isinstance(x, list) else []
+def _list(x) -> Sequence:
+    """x where it is a list (or the breakdown's rows made as read, output.RowDicts), else []."""
+    return x if isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray)) else []
 
 
 def fmt_ms(x, digits: int = 2) -> str:
@@ -239,12 +259,22 @@ PLOTLY_LOADER = """<script>
 
 def page(title: str, body: str, cs: ChartSet) -> str:
     """One self-contained HTML document: inline CSS, plotly.js once, the charts drawn at the end."""
-    return f"""<!DOCTYPE html>
+    return "".join(page_parts(title, (body,), cs))
+
+
+def page_parts(title: str, body: Iterable[str], cs: ChartSet) -> Iterator[str]:
+    """page's document in pieces, the body's as they come (its charts added as it is made: the
+    script that draws them is made after it), plotly.js a piece at a time, never copied into the page."""
+    yield f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{esc(title)}</title><style>{CSS}</style></head>
-<body>{ERROR_HOOK}{body}
+<body>{ERROR_HOOK}"""
+    yield from body
+    yield f"""
 {cs.script()}
-<script type="application/octet-stream" id="plotly-packed">{_plotly_js_packed()}</script>
+<script type="application/octet-stream" id="plotly-packed">"""
+    yield from _plotly_js_packed_parts()
+    yield f"""</script>
 {PLOTLY_LOADER}
 </body></html>
 """
