@@ -111,28 +111,27 @@ def json_parts(x, depth: int = 0) -> Iterator[bytes]:
         items, n = (row.tolist() for row in x.values), len(x.values)
     elif isinstance(x, (list, tuple, RowDicts)):
         items, n = iter(x), len(x)
-    elif isinstance(x, dict):
-        items, n = None, len(x)
     else:
-        items, n = None, 0
-    if n and (depth < PIECE_LEVELS or n > PIECE_ITEMS) and (items is not None or isinstance(x, dict)):
-        pad = b"\n" + b"  " * (depth + 1)
-        sep = b"[" if items is not None else b"{"
-        if items is not None:
-            for v in items:
-                yield sep + pad
-                yield from json_parts(v, depth + 1)
-                sep = b","
-        else:
-            # non-text keys as _clean writes them (str(k)): a collision keeps the first place, the last value
-            for k, v in (x if all(type(k) is str for k in x) else {str(k): v for k, v in x.items()}).items():
-                yield sep + pad + orjson.dumps(k) + b": "
-                yield from json_parts(v, depth + 1)
-                sep = b","
-        yield b"\n" + b"  " * depth + (b"]" if items is not None else b"}")
+        items, n = None, len(x) if isinstance(x, dict) else 0
+    if not n or (depth >= PIECE_LEVELS and n <= PIECE_ITEMS):  # a leaf, or small enough to write whole
+        text = orjson.dumps(_clean(x), option=JSON_OPTIONS)
+        yield text.replace(b"\n", b"\n" + b"  " * depth) if depth else text
         return
-    text = orjson.dumps(_clean(x), option=JSON_OPTIONS)
-    yield text.replace(b"\n", b"\n" + b"  " * depth) if depth else text
+    pad, sep = b"\n" + b"  " * (depth + 1), b"[" if items is not None else b"{"
+    if items is None:
+        # non-text keys as _clean writes them (str(k)): a collision keeps the first place, the last value
+        items = (x if all(type(k) is str for k in x) else {str(k): v for k, v in x.items()}).items()
+        for k, v in items:
+            yield sep + pad + orjson.dumps(k) + b": "
+            yield from json_parts(v, depth + 1)
+            sep = b","
+        yield b"\n" + b"  " * depth + b"}"
+        return
+    for v in items:
+        yield sep + pad
+        yield from json_parts(v, depth + 1)
+        sep = b","
+    yield b"\n" + b"  " * depth + b"]"
 
 
 def _reason(d: Diagnosis, check_id: str) -> str:

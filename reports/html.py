@@ -347,9 +347,10 @@ def render(diagnosis: dict) -> str:
 
 def render_parts(diagnosis: dict) -> Iterator[str]:
     """render's page in pieces, in page order: what grows with the ranks (each rank's chip, table
-    row and file) a piece a rank, so that write_report never holds the page whole. As one text
-    (and its encoding) the page was the report's highest point: 8.5 MB above the answer at 1,024
-    DLRM ranks, 6.1 at 256 (#20)."""
+    row and file) a piece a rank, so that write_report never holds the page whole. Made as one
+    text (and encoded whole) from every breakdown row as a dict, the report rose 18.0 MB above the
+    answer at 1,024 DLRM ranks and 15.4 at 256; in pieces 7.2 and 7.0, 3.4 of it plotly.js's gzip
+    made once a process (#20; docs/cluster-memory-log.md)."""
     d = _dict(diagnosis)
     run, findings = _dict(d.get("run")), [f for f in _list(d.get("findings")) if isinstance(f, dict)]
     checks, cs = _list(d.get("checks")), ChartSet()
