@@ -11,6 +11,7 @@ from diagnose.context import Context
 from diagnose.model import Check, Finding, Grid
 from diagnose.step.bandwidth import comm_table
 from diagnose.step.changes import over_time
+from diagnose.step.collectives import packed_key
 from diagnose.step.graph import critical_segments
 from diagnose.step.cover import DRAWN, MAX_DRAWN
 from diagnose.step.idle import CLASSES
@@ -287,13 +288,12 @@ def _sorted_keys(kf: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     if ints and all(type(v) is str for v in texts):
         code = {v: i for i, v in enumerate(sorted(set(texts)))}
         g = np.fromiter((code[v] for v in texts), dtype=np.int64, count=len(texts))
-        lo_s, lo_q = int(step.min()), int(seq.min())
-        span_g, span_q = len(code), int(seq.max()) - lo_q + 1
-        if (int(step.max()) - lo_s + 1) * span_g * span_q < 2**62:
-            packed = ((step.astype(np.int64) - lo_s) * span_g + g) * span_q + (seq.astype(np.int64) - lo_q)
-            at = np.argsort(packed, kind="stable")
-            packed = packed[at]
-            return at, np.append(True, packed[1:] != packed[:-1])
+        packed = packed_key([seq, g, step])  # step the most significant: sort_values' order
+        if packed is not None:
+            key = packed[0]
+            at = np.argsort(key, kind="stable")
+            key = key[at]
+            return at, np.append(True, key[1:] != key[:-1])
     ks = kf[["step", "pg", "seq"]].reset_index(drop=True).sort_values(["step", "pg", "seq"])
     return ks.index.to_numpy(), ~ks.duplicated().to_numpy()
 

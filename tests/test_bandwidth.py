@@ -192,3 +192,23 @@ def test_matched_transfers_join_as_a_merge_does(seed):
     assert m["index"].duplicated().any() or seed >= 4
     empty = _Transfers(Matched(pr.iloc[:0], pd.DataFrame(), 1.0)).of(allc)
     assert np.isnan(empty).all()
+
+
+def test_packed_key_sorts_as_its_columns_and_refuses_what_does_not_fit():
+    """collectives.packed_key, the one packer of the heatmap's sort and the communication table's
+    join: its order is np.lexsort's of the columns (the first the least significant), equal keys
+    are equal rows, a row outside another table's ranges is -1, and spans too wide give None."""
+    from diagnose.step.collectives import PACK_LIMIT, packed_key
+
+    rng = np.random.default_rng(3)
+    cols = [rng.integers(-5, 5, 400), rng.integers(0, 3, 400), rng.integers(100, 104, 400)]
+    for c, v in zip(cols, (0, 1, 101)):
+        c[0] = v
+    key, bounds = packed_key(cols)
+    assert np.array_equal(np.argsort(key, kind="stable"), np.lexsort(cols))
+    rows = np.stack(cols, axis=1)
+    same = key[:, None] == key[None, :]
+    assert np.array_equal(same, (rows[:, None, :] == rows[None, :, :]).all(axis=2))
+    other, _ = packed_key([np.array([0, 9, 0]), np.array([1, 1, 7]), np.array([101, 101, 101])], bounds)
+    assert other[0] == key[0] and list(other[1:]) == [-1, -1]  # 9 and 7 lie outside the fitted ranges
+    assert packed_key([np.array([0, PACK_LIMIT // 2]), np.array([0, 3])]) is None

@@ -33,7 +33,7 @@ import pandas as pd
 
 from diagnose.ingest.assemble import Run
 from diagnose.step.breakdown import exposed_comm, waits_by_rank
-from diagnose.step.collectives import KEY, Matched, RowsByValue, collectives_table
+from diagnose.step.collectives import KEY, Matched, RowsByValue, collectives_table, packed_key
 from diagnose.step.intervals import covered, intersect, union
 
 SMALL_MESSAGE_BYTES = 1024**2
@@ -178,7 +178,7 @@ class _Transfers:
     def __init__(self, matched: Matched) -> None:
         self._matched = matched
         self.keys, self.tx = np.zeros(0, dtype=np.int64), np.zeros(0)
-        self.bounds: list[tuple[str, int, int, int]] = []
+        self.bounds: list[tuple[int, int]] = []
         self.pg: dict = {}
         self.packed = True
         pr = matched.frame(KEY + ["rank", "latest", "end"])
@@ -204,31 +204,16 @@ class _Transfers:
         return x if np.issubdtype(x.dtype, np.integer) else None
 
     def _pack(self, df: pd.DataFrame, fit: bool) -> np.ndarray | None:
-        """One int64 a row; `fit`: the ranges taken from df (the matched table's). None where a key
-        is not integers (or, fitting, the four do not fit 63 bits); a row of another table outside
-        the ranges (a group the matched table has not) is -1: no match."""
-        cols = {}
-        for k in KEY + ["rank"]:
-            x = self._column(df, k, grow=fit)
-            if x is None:
-                return None
-            cols[k] = x
-        if fit:
-            width = 1
-            for k, x in cols.items():
-                lo = int(x.min(initial=0))
-                span = int(x.max(initial=0)) - lo + 1
-                if width * span >= 2**62:
-                    return None
-                self.bounds.append((k, lo, span, width))
-                width *= span
-        key = np.zeros(len(df), dtype=np.int64)
-        inside = np.ones(len(df), dtype=bool)
-        for k, lo, span, width in self.bounds:
-            x = cols.pop(k).astype(np.int64) - lo
-            inside &= (x >= 0) & (x < span)
-            key += np.where(inside, x, 0) * width
-        key[~inside] = -1
+        """One int64 a row (packed_key); `fit`: the ranges taken from df (the matched table's).
+        None where a key is not integers (or, fitting, the four do not fit); a row of another
+        table outside the ranges (a group the matched table has not) is -1: no match."""
+        cols = [self._column(df, k, grow=fit) for k in KEY + ["rank"]]
+        if any(x is None for x in cols):
+            return None
+        packed = packed_key(cols, None if fit else self.bounds)
+        if packed is None:
+            return None
+        key, self.bounds = packed
         return key
 
     def of(self, table: pd.DataFrame) -> np.ndarray:

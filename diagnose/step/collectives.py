@@ -98,6 +98,39 @@ class RowsByValue:
         return self._order[self._lo[i]:self._hi[i]]
 
 
+PACK_LIMIT = 2**62
+"""packed_key's keys stay below this: an int64, with room for the -1 of a row outside the ranges."""
+
+
+def packed_key(cols: list[np.ndarray], bounds: list[tuple[int, int]] | None = None
+               ) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+    """Integer columns as one int64 a row, the first column the least significant (sorting the
+    keys sorts by the last column, then the one before, ...; equal keys are equal rows), and the
+    (lowest, span) of each column it used. `bounds` given (another table's): rows outside them
+    are -1, which no row inside equals; fitted from `cols` where None, and None where the spans'
+    product does not fit. One integer a row is what a sort or a join by several columns needs,
+    without pandas' copy of the columns and hash table of every row (#20)."""
+    if bounds is None:
+        bounds, width = [], 1
+        for x in cols:
+            lo = int(x.min()) if x.size else 0
+            span = (int(x.max()) - lo + 1) if x.size else 1
+            width *= span
+            if width >= PACK_LIMIT:
+                return None
+            bounds.append((lo, span))
+    key = np.zeros(len(cols[0]) if cols else 0, dtype=np.int64)
+    inside = np.ones(key.size, dtype=bool)
+    width = 1
+    for x, (lo, span) in zip(cols, bounds):
+        v = x.astype(np.int64) - lo
+        inside &= (v >= 0) & (v < span)
+        key += np.where(inside, v, 0) * width
+        width *= span
+    key[~inside] = -1
+    return key, bounds
+
+
 def match_collectives(run: Run) -> Matched:
     # not each rank's own table: those lie on disk (ingest/assemble.Keep)
     return match_table(collectives_table(run, tuple(c for c in COLLECTIVE_COLUMNS if c != "dtype") + ("rank", "dur")))
