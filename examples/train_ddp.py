@@ -137,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-wait", type=int, default=2)
     p.add_argument("--profile-warmup", type=int, default=2)
     p.add_argument("--profile-active", type=int, default=5)
+    p.add_argument("--profile-repeat", type=int, default=0, help="windows to record (0: one after another to the end)")
     p.add_argument("--no-ddp", action="store_true",
                    help="train each rank independently (process group up, no gradient sync)")
     p.add_argument("--stall-rank", type=int, default=-1, help="this rank sleeps --stall-s once, at --stall-at-step")
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         prof = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(
-                wait=args.profile_wait, warmup=args.profile_warmup, active=args.profile_active
+                wait=args.profile_wait, warmup=args.profile_warmup, active=args.profile_active,
+                repeat=args.profile_repeat,
             ),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(
                 args.trace_dir, worker_name=f"rank{rank}", use_gzip=True

@@ -200,9 +200,11 @@ def test_ctrl_c_stops_every_job_process_and_analyses_what_was_written(tmp_path):
         while len(steps) < 2 or steps[-1] <= steps[0]:  # steps advancing on rank 0, past the traced ones
             if launcher.poll() is not None:  # say why: a red test must name what broke
                 err = launcher.stderr.read()
-                # the rank's own last words (an abort's reason) come before torchrun's summary: both
+                # the rank's own last words (an abort's reason: a C++ exception, glibc's heap check)
+                # come before torchrun's summary: both
                 why = [ln.strip() for ln in err.splitlines()
-                       if any(k in ln for k in ("terminate called", "what():", "Error: ", "Exception: "))][:8]
+                       if any(k in ln for k in ("terminate called", "what():", "Error: ", "Exception: ",
+                                                "malloc", "free(", "corrupted"))][:8]
                 pytest.fail(f"the launcher exited {launcher.returncode} before stepping: {why} ... {err[-1500:]}")
             assert time.monotonic() < deadline, "the job did not start stepping"
             time.sleep(0.5)
