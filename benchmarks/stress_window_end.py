@@ -16,11 +16,13 @@ rate only hundreds of runs a variant tell the probes from torch.
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+# run as a script, this directory is on sys.path: the port helper of the overhead benchmark
+from bench_probe_overhead import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -28,14 +30,8 @@ WINDOW = ("--profile-wait", "1", "--profile-warmup", "1", "--profile-active", "2
 SIGNS = ("malloc", "free(", "corrupted", "terminate called", "Segmentation", "exitcode")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def command(variant: str, out: Path) -> list[str]:
-    job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_port()}",
+    job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(EXAMPLE), "--steps", "12"]
     if variant == "probe":
         return [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", "1,1,2", "--", *job]
@@ -58,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                                          timeout=a.timeout, check=False)
                     rc, err = res.returncode, res.stderr
                 except subprocess.TimeoutExpired as exc:
-                    rc, err = "timeout", (exc.stderr or b"").decode(errors="replace")
+                    # bytes even with text=True (what was read before the kill)
+                    rc, err = "timeout", exc.stderr if isinstance(exc.stderr, str) else \
+                        (exc.stderr or b"").decode(errors="replace")
             if rc != 0:
                 sign = next((ln.strip() for ln in err.splitlines() if any(s in ln for s in SIGNS)), "")
                 failed[v].append(f"run {i + 1}: exit {rc}: {sign[:160]}")
