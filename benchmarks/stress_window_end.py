@@ -1,24 +1,33 @@
-"""How often a 2-rank gloo job aborts as its profiler window ends, probed or profiled by torch alone.
+"""How often a 2-rank gloo job dies as its profiler window ends, probed or profiled by torch alone.
 
-    python benchmarks/stress_window_end.py --runs 100 [--variants probe,torch,torch-hook]
+    python benchmarks/stress_window_end.py --runs 30 [--variants probe,torch,torch-hook] [--amplify] [--parallel 2]
 
 Each run: `examples/train_ddp.py --steps 12`, profiled for steps 2-3 (wait 1, warmup 1, active 2),
 one variant after the other in turn so that the machine's state is shared alike:
 - probe       under `diagnose run --schedule 1,1,2` (the e2e Ctrl-C test's schedule)
 - torch       torch.profiler alone (`--trace-dir`, the same window)
 - torch-hook  the same with a Python DDP comm hook (`--comm-hook bf16`: a callback on gloo's thread)
+`--amplify` runs the jobs under glibc's malloc debugging (libc_malloc_debug with MALLOC_CHECK_=3,
+and MALLOC_PERTURB_, which fills freed memory): a write into freed memory then kills the rank
+nearly every time it happens instead of once in a hundred runs. `--parallel K` runs K jobs of a
+variant at once: on a loaded machine gloo's thread waits longer for a core, and the race widens.
 Prints each variant's failed runs with the line glibc or torch left on stderr, and the counts. Set
-`ulimit -c unlimited` first to keep a core of each abort (core_pattern decides where). Why: a rank
-of such a job died of glibc's heap check at the window's end, 3 times in 237 probed runs here on
-2026-12-06, none in 258 profiled by torch alone (README, Capture: the probes, Safety); at that
-rate only hundreds of runs a variant tell the probes from torch.
+`ulimit -c unlimited` first to keep a core of each failure (core_pattern decides where).
+
+Why: torch 2.13's gloo backend ends a collective's profiler event on its own thread after the
+collective's future has woken the training thread; a profiler stopped in between gets that write
+into memory it has freed (probes/inflight.py; README, Capture: the probes, Safety).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # run as a script, this directory is on sys.path: the port helper of the overhead benchmark
@@ -38,29 +47,60 @@ def command(variant: str, out: Path) -> list[str]:
     return [*job, "--trace-dir", str(out), *WINDOW, *(("--comm-hook", "bf16") if variant == "torch-hook" else ())]
 
 
+def amplified() -> dict[str, str]:
+    """glibc's checking allocator (2.34 on: a library to preload) and freed memory filled with 0xa5."""
+    env = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"}
+    debug = next((p for p in ("/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", "/lib64/libc_malloc_debug.so.0",
+                              "/usr/lib64/libc_malloc_debug.so.0") if os.path.exists(p)), None)
+    if debug:
+        env["LD_PRELOAD"] = ":".join(x for x in (debug, os.environ.get("LD_PRELOAD", "")) if x)
+    return env
+
+
+def run_batch(variant: str, k: int, env: dict, timeout: float) -> list[tuple[object, str]]:
+    """k jobs of one variant at once (their own ports and directories): (exit status, stderr) each.
+    A job past `timeout` is killed with its whole process group, ranks included."""
+    with tempfile.TemporaryDirectory(prefix="stress-window-") as tmp, contextlib.ExitStack() as files:
+        jobs = []
+        for j in range(k):
+            # stderr to a file, not a pipe: no job blocks on a full pipe while another is waited for
+            err = files.enter_context(open(Path(tmp) / f"{j}.err", "w+b"))
+            proc = subprocess.Popen(command(variant, Path(tmp) / f"out{j}"), cwd=ROOT, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            jobs.append((proc, err))
+        deadline = time.monotonic() + timeout
+        out = []
+        for proc, err in jobs:
+            try:
+                rc: object = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = "timeout"
+            err.seek(0)
+            out.append((rc, err.read().decode(errors="replace")))
+        return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=100, help="runs of each variant")
     ap.add_argument("--variants", default="probe,torch,torch-hook")
     ap.add_argument("--timeout", type=float, default=180)
+    ap.add_argument("--amplify", action="store_true", help="glibc's malloc debugging in the jobs")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="jobs of a variant run at once (a loaded machine: the threads' races widen)")
     a = ap.parse_args(argv)
+    env = {**os.environ, **(amplified() if a.amplify else {})}
     variants = a.variants.split(",")
     failed: dict[str, list[str]] = {v: [] for v in variants}
-    for i in range(a.runs):
+    for i in range(0, a.runs, a.parallel):
         for v in variants:
-            with tempfile.TemporaryDirectory(prefix="stress-window-") as tmp:
-                try:
-                    res = subprocess.run(command(v, Path(tmp) / "out"), cwd=ROOT, capture_output=True, text=True,
-                                         timeout=a.timeout, check=False)
-                    rc, err = res.returncode, res.stderr
-                except subprocess.TimeoutExpired as exc:
-                    # bytes even with text=True (what was read before the kill)
-                    rc, err = "timeout", exc.stderr if isinstance(exc.stderr, str) else \
-                        (exc.stderr or b"").decode(errors="replace")
-            if rc != 0:
-                sign = next((ln.strip() for ln in err.splitlines() if any(s in ln for s in SIGNS)), "")
-                failed[v].append(f"run {i + 1}: exit {rc}: {sign[:160]}")
-                print(f"{v} run {i + 1}: exit {rc}: {sign[:160]}", flush=True)
+            for j, (rc, err) in enumerate(run_batch(v, min(a.parallel, a.runs - i), env, a.timeout)):
+                if rc != 0:
+                    sign = next((ln.strip() for ln in err.splitlines() if any(s in ln for s in SIGNS)), "")
+                    failed[v].append(f"run {i + j + 1}: exit {rc}: {sign[:160]}")
+                    print(f"{v} run {i + j + 1}: exit {rc}: {sign[:160]}", flush=True)
     for v in variants:
         print(f"{v}: {len(failed[v])} of {a.runs} runs failed")
     return 0

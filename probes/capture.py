@@ -91,6 +91,7 @@ class OnDemandCapture:
             self._start(req)
         elif self._prof is not None:
             if next_step >= start + n:
+                self.probe.settle_works()
                 prof, self._prof, self._request = self._prof, None, None
                 prof.stop()  # closes ProfilerStep#(start+n-1) and calls the export
             else:
@@ -139,7 +140,11 @@ class OnDemandCapture:
             log.warning("diagnose probe (rank %s): capture %s not written: %s", self.probe.rank, req["id"], exc)
         self._next_ok = time.monotonic() + MIN_INTERVAL_S  # counted from the end of the capture
 
+    def active(self) -> bool:
+        return self._prof is not None
+
     def close(self) -> None:
         if self._prof is not None:
+            self.probe.settle_works()
             prof, self._prof = self._prof, None
             prof.stop()  # a job ending mid-capture still leaves what was recorded

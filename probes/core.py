@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .device_steps import DeviceSteps, capturing
+from .inflight import InFlight
 from .safefs import SafeDir
 
 log = logging.getLogger("diagnose.probes")
@@ -154,7 +155,10 @@ class Probe:
         self._profiler = None
         self._traces_written = 0
         self._sched_steps = 0
+        self._windows_done = False  # every scheduled window written: no profiler again (captures aside)
         self._capture = None
+        # CPU collectives issued while a profiler records: finished before it stops (inflight.py)
+        self._inflight = InFlight()
         self._hang = None
         self._telemetry = None
         self.max_log_bytes = _env_mb("DIAGNOSE_PROBE_MAX_LOG_MB", 64)
@@ -342,6 +346,20 @@ class Probe:
     def profiler_busy(self) -> bool:
         return self._profiler is not None
 
+    def recording(self) -> bool:
+        """A profiler of the probe's (a scheduled window or a capture) exists now."""
+        return self._profiler is not None or (self._capture is not None and self._capture.active())
+
+    def on_async_work(self, work) -> None:
+        """A CPU collective's work handle, issued with async_op=True while recording."""
+        if self.recording():
+            self._inflight.add(work)
+
+    def settle_works(self) -> None:
+        """Before a profiler of the probe stops: its CPU collectives' threads are done (inflight.py)."""
+        if self.ok("profiler") and not self._inflight.settle():
+            self.meta["unsettled_windows"] = self._inflight.unsettled
+
     # ---- files ------------------------------------------------------------------
     def _write_step(self, rec: StepRecord) -> None:
         d = self.directory()
@@ -384,7 +402,7 @@ class Probe:
 
     # ---- profiler -----------------------------------------------------------------
     def start_profiler(self) -> None:
-        if not self.schedule.enabled or self._profiler is not None or not self.ok("profiler"):
+        if not self.schedule.enabled or self._windows_done or self._profiler is not None or not self.ok("profiler"):
             return
         if self.directory() is None:
             return  # not a training rank, or nowhere to write: do not profile
@@ -409,11 +427,19 @@ class Probe:
         if self._profiler is None:
             return
         try:
+            from torch.profiler import ProfilerAction
+
+            if self._profiler.current_action == ProfilerAction.RECORD_AND_SAVE:
+                self.settle_works()  # this step ends the window: stops the profiler and exports
             self._profiler.step()
             self._sched_steps += 1
             sch = self.schedule
             if sch.repeat and self._sched_steps > (sch.wait + sch.warmup + sch.active) * sch.repeat:
-                # every scheduled window is written: stop, back to light mode, profiler free for captures
+                # every scheduled window is written: stop, back to light mode, profiler free for captures.
+                # Not started again: each step hook asks for a profiler, and a new one each step
+                # (as until 2026-12-06) profiled the rest of the job, started and stopped every step
+                self._windows_done = True
+                self.settle_works()  # not recording since the last export: forgets this step's works
                 self._profiler.stop()
                 self._profiler = None
         except Exception as exc:  # noqa: BLE001
@@ -451,6 +477,7 @@ class Probe:
         if self._capture is not None:
             self._quietly("capture", self._capture.close)
         if self._profiler is not None:
+            self._quietly("profiler", self.settle_works)
             self._quietly("profiler", self._profiler.stop)
             self._profiler = None
         if self.ok("device timing") and self.ok("step log"):  # steps still queued on the device: one last line

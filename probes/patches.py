@@ -197,6 +197,12 @@ def _timed(fn, name: str, probe: Probe):
             except Exception as exc:  # noqa: BLE001
                 probe._fail("cuda timing", exc)
         result = fn(*args, **kwargs)  # the user's exceptions propagate untouched
+        if kwargs.get("async_op") and result is not None:
+            try:
+                if args and not _is_cuda(args[0]):
+                    probe.on_async_work(result)  # waited for before a profiler stops (inflight.py)
+            except Exception as exc:  # noqa: BLE001
+                probe._fail("collectives", exc)
         if not hooked:
             try:
                 label = name if not kwargs.get("async_op") else name + "(async)"
