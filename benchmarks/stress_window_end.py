@@ -1,12 +1,14 @@
 """How often a 2-rank gloo job dies as its profiler window ends, probed or profiled by torch alone.
 
-    python benchmarks/stress_window_end.py --runs 30 [--variants probe,torch,torch-hook] [--amplify] [--parallel 2]
+    python benchmarks/stress_window_end.py --runs 30 [--variants probe,torch,torch-hook,torch-probed] [--amplify] [--parallel 2]
 
 Each run: `examples/train_ddp.py --steps 12`, profiled for steps 2-3 (wait 1, warmup 1, active 2),
 one variant after the other in turn so that the machine's state is shared alike:
 - probe       under `diagnose run --schedule 1,1,2` (the e2e Ctrl-C test's schedule)
 - torch       torch.profiler alone (`--trace-dir`, the same window)
 - torch-hook  the same with a Python DDP comm hook (`--comm-hook bf16`: a callback on gloo's thread)
+- torch-probed  torch.profiler alone, the job under `diagnose run`: the probes' profiler stands
+              aside, and the job's own profiler stops only after its collectives have finished
 `--amplify` runs the jobs under glibc's malloc debugging (libc_malloc_debug with MALLOC_CHECK_=3,
 and MALLOC_PERTURB_, which fills freed memory): a write into freed memory then kills the rank
 nearly every time it happens instead of once in a hundred runs. `--parallel K` runs K jobs of a
@@ -42,9 +44,13 @@ SIGNS = ("malloc", "free(", "corrupted", "terminate called", "Segmentation", "ex
 def command(variant: str, out: Path) -> list[str]:
     job = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(EXAMPLE), "--steps", "12"]
+    probed = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", "1,1,2", "--"]
     if variant == "probe":
-        return [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", "1,1,2", "--", *job]
-    return [*job, "--trace-dir", str(out), *WINDOW, *(("--comm-hook", "bf16") if variant == "torch-hook" else ())]
+        return [*probed, *job]
+    own = [*job, "--trace-dir", str(out / "own"), *WINDOW]
+    if variant == "torch-probed":
+        return [*probed, *own]
+    return [*own, *(("--comm-hook", "bf16") if variant == "torch-hook" else ())]
 
 
 def amplified() -> dict[str, str]:

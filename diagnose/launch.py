@@ -237,7 +237,12 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
             return RunOutcome(127, run_dir, "not_started")
         if not _wrote_traces(traces):
             # never diagnose anything else: a verdict here could only come from a stale file
-            click.echo(f"diagnose: the job wrote no traces (exit {code}); nothing to analyse", err=True)
+            if _profiled_itself(traces):
+                click.echo(f"diagnose: the job ran its own torch.profiler (exit {code}); torch records one "
+                           "profiler at a time, so the probes recorded no trace: analyse the job's own traces "
+                           "(diagnose analyze THEIR_DIR), or run the job without its profiler", err=True)
+            else:
+                click.echo(f"diagnose: the job wrote no traces (exit {code}); nothing to analyse", err=True)
             return RunOutcome(code, run_dir, "no_traces")
         from diagnose.output import analyze_outputs
 
@@ -247,6 +252,19 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
             click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
             return RunOutcome(code, run_dir, "analysis_failed")
     return RunOutcome(code, run_dir, "analysed")
+
+
+def _profiled_itself(traces: Path) -> bool:
+    """A rank's probe saw the job start a torch.profiler of its own (probes.core.on_job_profiler)."""
+    from diagnose.probedata import read_meta
+
+    for sidecar in sorted(traces.glob("rank*.probe.json"))[:64]:
+        try:
+            if read_meta(sidecar).get("job_profiler") is True:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def _wrote_traces(traces: Path) -> bool:

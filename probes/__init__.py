@@ -102,9 +102,10 @@ def start(out_dir: str | Path, schedule: str | Schedule | None = None, *, collec
     sch = schedule if isinstance(schedule, Schedule) else Schedule.parse(schedule)
     probe = Probe(out_dir, schedule=sch, strict_dir=False)
     undo = []
-    from .patches import _checkpoint, _collectives, _dataloader, _ddp, _memory
+    from .patches import _checkpoint, _collectives, _dataloader, _ddp, _job_profiler, _memory
 
     parts = (_collectives, _ddp, _memory, _checkpoint) if collectives else (_memory, _checkpoint)
+    parts = (_job_profiler, *parts)
     for part in ((_dataloader,) if dataloaders else ()) + parts:
         try:
             u = part(probe)

@@ -88,14 +88,20 @@ class OnDemandCapture:
             return
         start, n = req["start_step"], req["steps"]
         if self._prof is None and next_step == start:
-            self._start(req)
+            if self.probe.job_profiler:  # the job's own profiler came on after the request was taken
+                self._request = None
+                self._status(req, "missed", "the job runs its own torch.profiler (one profiler at a time)")
+            else:
+                self._start(req)
         elif self._prof is not None:
             if next_step >= start + n:
                 self.probe.settle_works()
                 prof, self._prof, self._request = self._prof, None, None
-                prof.stop()  # closes ProfilerStep#(start+n-1) and calls the export
+                with self.probe.own_profiler():
+                    prof.stop()  # closes ProfilerStep#(start+n-1) and calls the export
             else:
-                self._prof.step()
+                with self.probe.own_profiler():
+                    self._prof.step()
 
     def _consider(self, req: dict | None, next_step: int) -> None:
         if not valid_request(req) or req["id"] in self._handled:
@@ -107,6 +113,8 @@ class OnDemandCapture:
                 self._status(req, "missed", f"request seen at step {next_step}, after its start")
             elif self.probe.profiler_busy():
                 self._status(req, "missed", "a scheduled profiler window was running")
+            elif self.probe.job_profiler:
+                self._status(req, "missed", "the job runs its own torch.profiler (one profiler at a time)")
             else:
                 with self._subdir(req):  # refuse a planted capture-{id} (symlink, foreign) before profiling
                     pass
@@ -126,7 +134,8 @@ class OnDemandCapture:
                                       on_trace_ready=lambda p: self._export(p, req))
         # number the ProfilerStep#N markers by the job's own step, the same on every rank
         prof.step_num = req["start_step"]
-        prof.start()
+        with self.probe.own_profiler():
+            prof.start()
         self._prof = prof
 
     def _export(self, prof, req: dict) -> None:
@@ -147,4 +156,5 @@ class OnDemandCapture:
         if self._prof is not None:
             self.probe.settle_works()
             prof, self._prof = self._prof, None
-            prof.stop()  # a job ending mid-capture still leaves what was recorded
+            with self.probe.own_profiler():
+                prof.stop()  # a job ending mid-capture still leaves what was recorded

@@ -26,6 +26,8 @@ import os
 import shutil
 import threading
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,6 +161,10 @@ class Probe:
         self._capture = None
         # CPU collectives issued while a profiler records: finished before it stops (inflight.py)
         self._inflight = InFlight()
+        # set while the probe itself drives one of its profilers: any other profiler that prepares
+        # or starts is the job's own, and the probe's stands aside (patches._job_profiler)
+        self._own_call = threading.local()
+        self.job_profiler = False
         self._hang = None
         self._telemetry = None
         self.max_log_bytes = _env_mb("DIAGNOSE_PROBE_MAX_LOG_MB", 64)
@@ -347,13 +353,63 @@ class Probe:
         return self._profiler is not None
 
     def recording(self) -> bool:
-        """A profiler of the probe's (a scheduled window or a capture) exists now."""
-        return self._profiler is not None or (self._capture is not None and self._capture.active())
+        """A profiler of the probe's (a scheduled window or a capture) exists now, or the job's own records."""
+        if self._profiler is not None or (self._capture is not None and self._capture.active()):
+            return True
+        if self.job_profiler:
+            from torch.autograd import profiler as ap
+
+            return bool(getattr(ap, "_is_profiler_enabled", False))
+        return False
 
     def on_async_work(self, work) -> None:
         """A CPU collective's work handle, issued with async_op=True while recording."""
         if self.recording():
             self._inflight.add(work)
+
+    @contextmanager
+    def own_profiler(self):
+        """Around every call the probe makes into one of its own profilers."""
+        self._own_call.depth = getattr(self._own_call, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._own_call.depth -= 1
+
+    def in_own_profiler_call(self) -> bool:
+        return getattr(self._own_call, "depth", 0) > 0
+
+    def on_job_profiler(self) -> None:
+        """A profiler the probe did not start is about to prepare or start (or was already on).
+
+        torch runs one profiler at a time: a second one raises "Profiler is already enabled on this
+        thread" into whichever starts last (the job's, killing it, as until 2026-12-06) or takes the
+        first one's events. The job's comes first: the probe stops its own (what its window recorded
+        is written), starts none again and refuses captures; timings, collectives and the rest go on.
+        """
+        if self.job_profiler:
+            return
+        self.job_profiler = True
+        if self.schedule.enabled and not self._windows_done:  # else nothing is lost: no word of it
+            self.meta["job_profiler"] = True
+            rank = self.rank if self.rank >= 0 else os.environ.get("RANK", "?")  # may not be claimed yet
+            log.warning("diagnose probe (rank %s): the job runs its own torch.profiler; the probe's profiler "
+                        "stands aside for the rest of the job (step times, collectives and input waits go on)",
+                        rank)
+        self._windows_done = True
+        if self._capture is not None:
+            self._quietly("capture", self._capture.close)
+        if self._profiler is not None:
+            prof, self._profiler = self._profiler, None
+            self._quietly("profiler", self.settle_works)
+            self._quietly("profiler", lambda: self._stop_own(prof))
+
+    def _stop_own(self, prof) -> None:
+        # once a job at most: catch_warnings resets the "shown once" registries of every warning
+        with self.own_profiler(), warnings.catch_warnings():
+            # stopping a window cut short in its warmup warns "Incorrect schedule" into the job's output
+            warnings.filterwarnings("ignore", message="Incorrect schedule", category=UserWarning)
+            prof.stop()
 
     def settle_works(self) -> None:
         """Before a profiler of the probe stops: its CPU collectives' threads are done (inflight.py)."""
@@ -409,6 +465,10 @@ class Probe:
         try:
             import torch
 
+            if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):  # on before the probe came
+                self.on_job_profiler()
+                return
+
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -418,7 +478,8 @@ class Probe:
                 schedule=torch.profiler.schedule(wait=sch.wait, warmup=sch.warmup, active=sch.active,
                                                  repeat=sch.repeat),
                 on_trace_ready=self._export_trace, record_shapes=True)
-            self._profiler.start()
+            with self.own_profiler():
+                self._profiler.start()
         except Exception as exc:  # noqa: BLE001
             self._profiler = None
             self._fail("profiler", exc)
@@ -431,7 +492,8 @@ class Probe:
 
             if self._profiler.current_action == ProfilerAction.RECORD_AND_SAVE:
                 self.settle_works()  # this step ends the window: stops the profiler and exports
-            self._profiler.step()
+            with self.own_profiler():
+                self._profiler.step()
             self._sched_steps += 1
             sch = self.schedule
             if sch.repeat and self._sched_steps > (sch.wait + sch.warmup + sch.active) * sch.repeat:
@@ -440,7 +502,7 @@ class Probe:
                 # (as until 2026-12-06) profiled the rest of the job, started and stopped every step
                 self._windows_done = True
                 self.settle_works()  # not recording since the last export: forgets this step's works
-                self._profiler.stop()
+                self._stop_own(self._profiler)
                 self._profiler = None
         except Exception as exc:  # noqa: BLE001
             self._fail("profiler", exc)
@@ -477,9 +539,9 @@ class Probe:
         if self._capture is not None:
             self._quietly("capture", self._capture.close)
         if self._profiler is not None:
+            prof, self._profiler = self._profiler, None
             self._quietly("profiler", self.settle_works)
-            self._quietly("profiler", self._profiler.stop)
-            self._profiler = None
+            self._quietly("profiler", lambda: self._stop_own(prof))
         if self.ok("device timing") and self.ok("step log"):  # steps still queued on the device: one last line
             tail = self._quietly("device timing", self._device_steps.drain, [])
             if tail:

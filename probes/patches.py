@@ -7,6 +7,8 @@
 - DistributedDataParallel: a timing comm hook around the default all-reduce, registered
   lazily at the first forward so a user's own `register_comm_hook` call still works
   (theirs is wrapped with the same timing instead).
+- torch's profiler, whoever starts it: a profiler the job starts itself makes the probe's stand
+  aside (torch runs one at a time; `Probe.on_job_profiler`).
 
 Every wrapper calls the original first-class function and swallows only its own errors.
 """
@@ -76,7 +78,7 @@ class _TimedIter:
 def install(probe: Probe) -> list:
     """Install all hooks; returns undo callables. Each part fails on its own."""
     undo: list = []
-    for part in (_dataloader, _optimizer, _collectives, _ddp, _memory, _checkpoint):
+    for part in (_job_profiler, _dataloader, _optimizer, _collectives, _ddp, _memory, _checkpoint):
         try:
             u = part(probe)
             if u:
@@ -84,6 +86,64 @@ def install(probe: Probe) -> list:
         except Exception as exc:  # noqa: BLE001
             probe._fail(f"hook {part.__name__.strip('_')}", exc)
     return undo
+
+
+def _job_profiler(probe: Probe):
+    """Tell the probe when a profiler it does not drive starts, prepares or is enabled.
+
+    `torch.profiler.profile.start` (and `with profile(...)`): from then on its ProfilerStep#N
+    markers go into any recording profiler, the probe's included, even while its own schedule
+    waits. Every torch profiler then goes through `torch.autograd.profiler.profile._prepare_trace`
+    before it records (torch.profiler.profile, the legacy context manager; Lightning's and the HF
+    Trainer's profilers are these) and through `_run_on_profiler_start` as it is enabled (those
+    two, plus emit_nvtx and emit_itt): private names of torch 2.x, each patched where it exists.
+    """
+    import torch.profiler as tp
+    from torch.autograd import profiler as ap
+
+    def warned(orig):
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):
+            if not probe.in_own_profiler_call():
+                try:
+                    probe.on_job_profiler()
+                except Exception as exc:  # noqa: BLE001
+                    probe._fail("job profiler", exc)
+            return orig(*args, **kwargs)
+
+        setattr(wrapper, _MARK, True)
+        return wrapper
+
+    undo = []
+    start = getattr(tp.profile, "start", None)
+    if start is not None and not getattr(start, _MARK, False):
+        tp.profile.start = warned(start)
+        undo.append(lambda: setattr(tp.profile, "start", start))
+    prepare = getattr(ap.profile, "_prepare_trace", None)
+    if prepare is not None and not getattr(prepare, _MARK, False):
+        ap.profile._prepare_trace = warned(prepare)
+        undo.append(lambda: setattr(ap.profile, "_prepare_trace", prepare))
+    # the job's profiler stops (stop_trace, the end of a `with`): its CPU collectives settled first,
+    # as for the probe's own (inflight.py: gloo ends their events after waking the training thread)
+    exit_ = getattr(ap.profile, "__exit__", None)
+    if exit_ is not None and not getattr(exit_, _MARK, False):
+        @functools.wraps(exit_)
+        def __exit__(self, *args, **kwargs):
+            if not probe.in_own_profiler_call():
+                try:
+                    probe.settle_works()
+                except Exception as exc:  # noqa: BLE001
+                    probe._fail("job profiler", exc)
+            return exit_(self, *args, **kwargs)
+
+        setattr(__exit__, _MARK, True)
+        ap.profile.__exit__ = __exit__
+        undo.append(lambda: setattr(ap.profile, "__exit__", exit_))
+    on_start = getattr(ap, "_run_on_profiler_start", None)
+    if on_start is not None and not getattr(on_start, _MARK, False):
+        ap._run_on_profiler_start = warned(on_start)  # looked up as a module global at each call
+        undo.append(lambda: setattr(ap, "_run_on_profiler_start", on_start))
+    return (lambda: [u() for u in undo]) if undo else None
 
 
 def _dataloader(probe: Probe):

@@ -115,6 +115,22 @@ def test_exit_code_passes_through(tmp_path):
     assert res.returncode == 3
 
 
+def test_a_job_profiling_itself_runs_to_its_end_under_the_probes(tmp_path):
+    """Until 2026-12-06 both ranks died in their own `prof.step()`: "Profiler is already enabled
+    on this thread" (the probe's profiler held torch's one slot). Now the probes' stands aside."""
+    own = tmp_path / "own"
+    res = diagnose_run(tmp_path / "run", "--steps", "12", "--trace-dir", str(own), schedule="1,1,2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("the job ran its own torch.profiler") == 1, res.stderr[-3000:]
+    traces = run_dir(tmp_path / "run") / "traces"
+    assert not list(traces.glob("*.pt.trace.json*"))
+    for r in (0, 1):  # every step still timed by the probes
+        assert len((traces / f"rank{r}.steps.jsonl").read_text().splitlines()) >= 12
+    # the job's own traces are whole: they analyse as a 2-rank run
+    assert sorted({p.name.split(".")[0] for p in own.glob("rank*.pt.trace.json.gz")}) == ["rank0", "rank1"]
+    assert diagnose_paths([own]).run.ranks_found == (0, 1)
+
+
 def test_single_process_script(tmp_path):
     res = subprocess.run([sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",
                           sys.executable, str(EXAMPLE), "--steps", "10"],
