@@ -16,6 +16,7 @@ from diagnose.probedata import ProbeData, load_probe_data
 from diagnose.step.breakdown import BreakdownRows
 from diagnose.step.link import LinkSpec
 from diagnose.thresholds import DEFAULT, Thresholds
+from diagnose.units import rank_ranges
 from diagnose.whatif import StepModel, annotate
 
 _ORDER = {cid: i for i, cid in enumerate(CHECK_ORDER)}
@@ -149,4 +150,8 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     probes = load_probe_data(probe_paths) if probe_paths else {}
     for p in probes.values():
         run.warnings.extend(p.warnings)
+    aside = [r for r, p in sorted(probes.items()) if p.meta.get("job_profiler") is True]
+    if aside:  # probes/core.py on_job_profiler: one profiler at a time, the job's first
+        run.warnings.append(f"rank(s) {rank_ranges(aside)}: the job ran its own torch.profiler there, so the "
+                            "probes' profiler stood aside (its window cut short, or none)")
     return diagnose_run(run, th, probes, link=link)

@@ -186,3 +186,22 @@ def test_the_hooks_come_off_whole(tmp_path):
     undo()
     assert (torch.profiler.profile.start, ap.profile._prepare_trace, ap.profile.__exit__,
             ap._run_on_profiler_start) == before
+
+
+def test_the_analysis_names_the_ranks_where_the_probes_stood_aside(tmp_path):
+    """A rank whose job profiled itself (here rank 1 alone) wrote a cut window or none: said."""
+    import shutil
+
+    from diagnose.pipeline import diagnose_paths
+    from tests.conftest import ROOT
+
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "cpu_checkpoint_2rank", run)
+    said = "the job ran its own torch.profiler there"
+    assert not any(said in w for w in diagnose_paths([run]).warnings)
+    sidecar = run / "rank1.probe.json"
+    body = json.loads(sidecar.read_text())
+    body["meta"]["job_profiler"] = True
+    sidecar.write_text(json.dumps(body))
+    (w,) = [w for w in diagnose_paths([run]).warnings if said in w]
+    assert w.startswith("rank(s) 1:")
