@@ -397,6 +397,10 @@ class Probe:
                         "stands aside for the rest of the job (step times, collectives and input waits go on)",
                         rank)
         self._windows_done = True
+        self._release_profilers()
+
+    def _release_profilers(self) -> None:
+        """Stop the probe's capture and scheduled profiler, if on: what they recorded is written."""
         if self._capture is not None:
             self._quietly("capture", self._capture.close)
         if self._profiler is not None:
@@ -536,12 +540,7 @@ class Probe:
             if sampler.stop():
                 self._quietly("telemetry", f.close)
             self._telemetry = None
-        if self._capture is not None:
-            self._quietly("capture", self._capture.close)
-        if self._profiler is not None:
-            prof, self._profiler = self._profiler, None
-            self._quietly("profiler", self.settle_works)
-            self._quietly("profiler", lambda: self._stop_own(prof))
+        self._release_profilers()
         if self.ok("device timing") and self.ok("step log"):  # steps still queued on the device: one last line
             tail = self._quietly("device timing", self._device_steps.drain, [])
             if tail:

@@ -173,6 +173,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def gloo_world_of_one():
+    """A real gloo process group of one rank in this process, destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def _compile_the_package() -> None:
     """Byte-compile the repository's own code once. These machines set PYTHONDONTWRITEBYTECODE,
     so every `diagnose ...` subprocess a test starts (dozens) would otherwise compile the whole

@@ -8,16 +8,6 @@ torch = pytest.importorskip("torch")
 
 from diagnose.probes import patches  # noqa: E402
 from diagnose.probes.core import Probe, Schedule  # noqa: E402
-from tests.conftest import _free_port  # noqa: E402
-
-
-@pytest.fixture
-def gloo_world_of_one():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _graph_breaks(model_factory) -> dict:

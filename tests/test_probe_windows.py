@@ -11,17 +11,6 @@ torch = pytest.importorskip("torch")
 from diagnose.probes import inflight, patches
 from diagnose.probes.core import Probe, Schedule
 
-from tests.conftest import _free_port
-
-
-@pytest.fixture
-def gloo_world_of_one():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_the_window_ends_after_the_ddp_all_reduces_it_recorded_have_finished(tmp_path, gloo_world_of_one):
     from torch import nn
