@@ -11,7 +11,7 @@ one variant after the other in turn so that the machine's state is shared alike:
               aside, and the job's own profiler stops only after its collectives have finished
 `--amplify` runs the jobs under glibc's malloc debugging (libc_malloc_debug with MALLOC_CHECK_=3,
 and MALLOC_PERTURB_, which fills freed memory): a write into freed memory then kills the rank
-nearly every time it happens instead of once in a hundred runs. `--parallel K` runs K jobs of a
+far more often (torch alone: 16 of 80 runs with `--parallel 2`, against 0 of 318 plain runs). `--parallel K` runs K jobs of a
 variant at once: on a loaded machine gloo's thread waits longer for a core, and the race widens.
 Prints each variant's failed runs with the line glibc or torch left on stderr, and the counts. Set
 `ulimit -c unlimited` first to keep a core of each failure (core_pattern decides where).

@@ -3,7 +3,8 @@
 Contract with the job it watches: a probe never raises into user code, never
 blocks on I/O it does not own, and never issues a collective or a barrier (ranks
 may diverge; a probe must not be what hangs them). Every failure is logged once,
-and the failing part switches itself off while training continues.
+and the failing part switches itself off while training continues. The job's own torch
+profiler comes first: torch runs one at a time, and the probe's stands aside (on_job_profiler).
 
 Files written in `out_dir` (all per rank, all atomic or append-only):
 - `rank{R}.steps.jsonl`  one JSON line per step, flushed every step (survives a killed rank); on
