@@ -94,9 +94,10 @@ def _job_profiler(probe: Probe):
     `torch.profiler.profile.start` (and `with profile(...)`): from then on its ProfilerStep#N
     markers go into any recording profiler, the probe's included, even while its own schedule
     waits. Every torch profiler then goes through `torch.autograd.profiler.profile._prepare_trace`
-    before it records (torch.profiler.profile, the legacy context manager; Lightning's and the HF
-    Trainer's profilers are these) and through `_run_on_profiler_start` as it is enabled (those
-    two, plus emit_nvtx and emit_itt): private names of torch 2.x, each patched where it exists.
+    before it records (torch.profiler.profile, the legacy context manager; Lightning's
+    PyTorchProfiler and accelerate's Accelerator.profile() are these) and through
+    `_run_on_profiler_start` as it is enabled (those two, plus emit_nvtx and emit_itt): private
+    names of torch 2.x, each patched where it exists.
     """
     import torch.profiler as tp
     from torch.autograd import profiler as ap
