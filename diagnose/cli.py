@@ -93,12 +93,14 @@ def cluster_paths(paths: tuple[str, ...], cluster: str | None, local_path: tuple
 
 
 def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
-                      hta: HtaOptions | None = None, link=None, cluster: str | None = None) -> int:
+                      hta: HtaOptions | None = None, link=None, cluster: str | None = None,
+                      probe_paths: list[str] | None = None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
     try:
         from diagnose.output import analyze_outputs  # lazily: the CLI starts light
 
-        analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta, link=link, cluster=cluster)
+        analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta, link=link, cluster=cluster,
+                        probe_paths=probe_paths)
     except DiagnoseError as exc:
         fail(str(exc))
     return 0
@@ -118,16 +120,34 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
 @click.option("--link-gbps", default=None, metavar="INTRA[,INTER]", help=LINK_HELP)
 @click.option("--cluster", default=None, metavar="ADDRESS", help=CLUSTER_HELP)
 @click.option("--local-path", "local_path", multiple=True, metavar="DIR", help=LOCAL_PATH_HELP)
+@click.option("--probes", "probes", multiple=True, metavar="RUN_DIR",
+              help="A `diagnose run` directory whose probe records (every step's time, the collectives, "
+                   "input waits, run facts) go with these traces: for a job that ran its own profiler.")
 def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None, hta: bool,
             hta_budget_mb: float, hta_timeout: float, link_gbps: str | None, cluster: str | None,
-            local_path: tuple[str, ...]) -> None:
+            local_path: tuple[str, ...], probes: tuple[str, ...]) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
     from diagnose.output import HtaOptions
 
     link = parse_link(link_gbps)
     paths = cluster_paths(trace_dir, cluster, local_path, hta)
     opts = HtaOptions(hta_budget_mb, hta_timeout) if hta else None
-    sys.exit(analyze_and_write(paths, out, max_trace_gb, jobs, opts, link, cluster))
+    probe_paths = None
+    if probes:  # besides the sidecars beside the traces, as without the option
+        probe_paths = [p for p in paths if Path(p).exists()] + [str(probe_records(Path(p))) for p in probes]
+    sys.exit(analyze_and_write(paths, out, max_trace_gb, jobs, opts, link, cluster, probe_paths))
+
+
+def probe_records(path: Path) -> Path:
+    """The directory of a run's probe records: RUN_DIR/traces, or the directory given."""
+    d = path / "traces" if (path / "traces").is_dir() else path
+    try:
+        found = any(n.name.endswith((".probe.json", ".steps.jsonl")) for n in d.iterdir())
+    except OSError as exc:
+        fail(f"--probes {one_line(str(path))}: cannot read ({one_line(exc.strerror or str(exc))})")
+    if not found:
+        fail(f"--probes {one_line(str(path))}: no probe records (rank*.probe.json, rank*.steps.jsonl)")
+    return d
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

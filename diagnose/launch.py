@@ -240,7 +240,8 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
             if _profiled_itself(traces):
                 click.echo(f"diagnose: the job ran its own torch.profiler (exit {code}); torch records one "
                            "profiler at a time, so the probes recorded no trace: analyse the job's own traces "
-                           "(diagnose analyze THEIR_DIR), or run the job without its profiler", err=True)
+                           f"with the probes' records (diagnose analyze THEIR_DIR --probes {one_line(str(run_dir))}), "
+                           "or run the job without its profiler", err=True)
             else:
                 click.echo(f"diagnose: the job wrote no traces (exit {code}); nothing to analyse", err=True)
             return RunOutcome(code, run_dir, "no_traces")

@@ -146,3 +146,31 @@ def test_torchrun_banner_is_avoided_only_where_torchrun_would_set_one_thread(com
 
     assert quiet_launcher(command, {}).get("OMP_NUM_THREADS") == threads
     assert quiet_launcher(command, {"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"  # the user's choice
+
+
+def test_probes_join_traces_recorded_elsewhere(tmp_path):
+    """`analyze THEIR_TRACES --probes RUN_DIR`: a job that ran its own profiler under `diagnose run`
+    has its traces in its own directory and the probes' records in the run's traces/."""
+    import json
+    import shutil
+
+    from tests.conftest import ROOT
+
+    src = ROOT / "tests" / "fixtures" / "cpu_checkpoint_2rank"
+    theirs, run = tmp_path / "theirs", tmp_path / "run"
+    theirs.mkdir()
+    (run / "traces").mkdir(parents=True)
+    for f in src.iterdir():
+        if ".pt.trace." in f.name:
+            shutil.copy(f, theirs)
+        elif f.name.startswith("rank"):
+            shutil.copy(f, run / "traces")
+    res = run_cli("analyze", str(theirs), "--out", str(tmp_path / "alone"))
+    assert res.exit_code == 0, res.output
+    assert "probe_steps" not in json.loads((tmp_path / "alone" / "diagnosis.json").read_text())["run"]["metadata"]
+    res = run_cli("analyze", str(theirs), "--probes", str(run), "--out", str(tmp_path / "joined"))
+    assert res.exit_code == 0, res.output
+    steps = json.loads((tmp_path / "joined" / "diagnosis.json").read_text())["run"]["metadata"]["probe_steps"]
+    assert set(steps) == {"0", "1"} and min(steps.values()) > 0
+    one_line_error(run_cli("analyze", str(theirs), "--probes", str(theirs), "--out", str(tmp_path / "o")),
+                   "no probe records")

@@ -122,6 +122,7 @@ def test_a_job_profiling_itself_runs_to_its_end_under_the_probes(tmp_path):
     res = diagnose_run(tmp_path / "run", "--steps", "12", "--trace-dir", str(own), schedule="1,1,2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.count("the job ran its own torch.profiler") == 1, res.stderr[-3000:]
+    assert f"--probes {run_dir(tmp_path / 'run')}" in res.stderr, res.stderr[-3000:]
     traces = run_dir(tmp_path / "run") / "traces"
     assert not list(traces.glob("*.pt.trace.json*"))
     for r in (0, 1):  # every step still timed by the probes
@@ -129,6 +130,10 @@ def test_a_job_profiling_itself_runs_to_its_end_under_the_probes(tmp_path):
     # the job's own traces are whole: they analyse as a 2-rank run
     assert sorted({p.name.split(".")[0] for p in own.glob("rank*.pt.trace.json.gz")}) == ["rank0", "rank1"]
     assert diagnose_paths([own]).run.ranks_found == (0, 1)
+    # and with the probes' records, as the launcher's line says
+    joined = diagnose_paths([own], probe_paths=[own, traces])
+    steps = joined.run.metadata["probe_steps"]
+    assert set(steps) == {0, 1} and min(steps.values()) >= 10
 
 
 def test_single_process_script(tmp_path):
