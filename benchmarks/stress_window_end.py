@@ -1,6 +1,7 @@
 """How often a 2-rank gloo job dies as its profiler window ends, probed or profiled by torch alone.
 
-    python benchmarks/stress_window_end.py --runs 30 [--variants probe,torch,torch-hook,torch-probed] [--amplify] [--parallel 2]
+    python benchmarks/stress_window_end.py --runs 30 [--variants probe,torch,torch-hook,torch-probed] \
+        [--amplify] [--parallel 2]
 
 Each run: `examples/train_ddp.py --steps 12`, profiled for steps 2-3 (wait 1, warmup 1, active 2),
 one variant after the other in turn so that the machine's state is shared alike:
@@ -11,8 +12,9 @@ one variant after the other in turn so that the machine's state is shared alike:
               aside, and the job's own profiler stops only after its collectives have finished
 `--amplify` runs the jobs under glibc's malloc debugging (libc_malloc_debug with MALLOC_CHECK_=3,
 and MALLOC_PERTURB_, which fills freed memory): a write into freed memory then kills the rank
-far more often (torch alone: 16 of 80 runs with `--parallel 2`, against 0 of 318 plain runs). `--parallel K` runs K jobs of a
-variant at once: on a loaded machine gloo's thread waits longer for a core, and the race widens.
+far more often (torch alone: 16 of 80 runs with `--parallel 2`, against 0 of 318 plain runs).
+`--parallel K` runs K jobs of a variant at once: on a loaded machine gloo's thread waits longer
+for a core, and the race widens.
 Prints each variant's failed runs with the line glibc or torch left on stderr, and the counts. Set
 `ulimit -c unlimited` first to keep a core of each failure (core_pattern decides where).
 
