@@ -5,6 +5,8 @@
 
 Under torchrun Lightning joins the launched processes (it starts none of its own). `--straggler-rank
 R` makes rank R sleep in `on_before_backward`, Lightning's own hook before each backward.
+`--torch-profiler DIR` turns on Lightning's own PyTorchProfiler (steps 2-3), writing into DIR: a job
+that profiles itself (under `diagnose run` the probes' profiler stands aside).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from stack_common import Tokens, parse_args, straggle  # noqa: E402
 
 
 def main() -> int:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, extra=lambda p: p.add_argument("--torch-profiler", metavar="DIR", default=None))
     import lightning.pytorch as pl
     import torch
     from torch import nn
@@ -55,9 +57,19 @@ def main() -> int:
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
                          max_steps=args.steps, accumulate_grad_batches=args.grad_accum, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=callbacks)
+                         callbacks=callbacks, profiler=_profiler(args.torch_profiler))
     trainer.fit(TinyLM(), loader)
     return 0
+
+
+def _profiler(directory: str | None):
+    if directory is None:
+        return None
+    import torch
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    return PyTorchProfiler(dirpath=directory, filename="prof", export_to_chrome=True,
+                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from diagnose.pipeline import diagnose_paths
 from tests.conftest import ROOT, _free_port, run_dir
 
 pytestmark = pytest.mark.e2e
@@ -77,6 +78,27 @@ def test_lightning_trainer_ddp(tmp_path):
     # sits inside that span, and must still read as waiting, not as compute or per-op overhead
     assert_probed_like_a_plain_loop(d, records, stdout, "ddp_bucket_allreduce", "all_reduce")
     assert "launch_overhead" not in [f["id"] for f in d["findings"]], stdout
+
+
+def test_lightning_with_its_own_profiler_names_the_straggler(tmp_path):
+    """Lightning's PyTorchProfiler on: the probes' stands aside, and the job's own traces, analysed
+    with the probes' records, give the verdict the probes' traces give (until 2026-12-06 its
+    `[pl][profile]` annotations counted as work: "launch overhead, both ranks")."""
+    pytest.importorskip("lightning", reason="the test extra installs lightning: pip install -e '.[test]'")
+    own = tmp_path / "own"
+    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path / "run"), "--schedule", "1,1,2", "--",
+           sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(ROOT / "examples" / "train_lightning.py"), "--steps", str(STEPS), "--straggler-rank", "1",
+           "--torch-profiler", str(own)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
+    assert "the job ran its own torch.profiler" in res.stderr, res.stderr[-3000:]
+    d = diagnose_paths([own], probe_paths=[own, run_dir(tmp_path / "run") / "traces"])
+    assert d.run.ranks_found == (0, 1)
+    top = d.findings[0]
+    assert top.id == "straggler" and top.ranks == (1,), [(f.id, f.ranks, f.recoverable_ms) for f in d.findings]
+    assert "launch_overhead" not in [f.id for f in d.findings]
 
 
 def test_fsdp2_fully_shard(tmp_path):

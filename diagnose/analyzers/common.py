@@ -7,8 +7,7 @@ import pandas as pd
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP
 from diagnose.model import Check, Finding
 from diagnose.step.idle import IdleModel, completeness
-from diagnose.step.timeline import (CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, PROFILER_STEP, RankTimeline,
-                                    _names_matching, closure_steps)
+from diagnose.step.timeline import CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, RankTimeline, _names_matching, frames
 from diagnose.thresholds import Thresholds
 
 
@@ -83,12 +82,13 @@ def host_self_times(ev: pd.DataFrame, tl: RankTimeline) -> pd.DataFrame:
     next step's start, and on the last profiled step the trace export: 100 ms in one 25 ms step)
     would otherwise book time outside every step as that op's own."""
     host = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
-    framing = pd.Series(closure_steps(ev), index=ev.index)  # a closure's Optimizer.step holds waits, not work
+    # step markers, a closure's Optimizer.step, Lightning's profiler annotations: they hold waits, not work
+    framing = pd.Series(frames(ev), index=ev.index)
     ops = ev[host & ~ev["tid"].astype(str).isin(tl.comm_threads).to_numpy()]
     ops = ops.assign(dur=_clipped_to_step(ops, tl))
     ops = ops.assign(tid=ops["tid"].astype(str)).sort_values(["tid", "ts", "dur"], ascending=[True, True, False])
     ops = ops.assign(self_us=self_times(ops))
-    skip = (_names_matching(ops, PROFILER_STEP) | _names_matching(ops, DATALOADER)
+    skip = (_names_matching(ops, DATALOADER)
             | _names_matching(ops, CPU_COMM_ENQUEUE) | _names_matching(ops, CPU_COMM_TRANSFER)
             | framing.loc[ops.index].to_numpy())
     return ops[~skip]

@@ -13,7 +13,7 @@ Definitions (stated in the report):
   enqueue ops and that work (DDP's bucket copies and gradient division, FSDP2's all-gather and
   reduce-scatter spans with their copies and waits). An `Optimizer.step` that runs the forward
   and backward inside it (a closure, as Lightning calls it) frames the step like ProfilerStep:
-  its own time is not compute.
+  its own time is not compute; so do the hook and module annotations of Lightning's profiler.
 - DataLoader wait = union of `enumerate(DataLoader)#...__next__` spans.
 """
 from __future__ import annotations
@@ -49,6 +49,12 @@ PAGEABLE_H2D = re.compile(r"^(?=.*?(?:HtoD|Host to Device|H2D))(?=.*?Pageable)",
 """Kineto names a copy `Memcpy HtoD (Pageable -> Device)` or `(Pinned -> Device)`. Anchored: one
 attempt per name, linear in its length (names are untrusted input, some very long)."""
 OPTIMIZER_STEP = re.compile(r"^Optimizer\.step#")
+# Lightning's own PyTorchProfiler wraps each hook (`[pl][profile]...`) and, by default, each
+# module's forward (`[pl][module]...`) in an annotation. They frame like ProfilerStep: the ops inside
+# count, their own time does not (a rank's wait for a late peer's all-reduce and the late rank's
+# sleep sit there; the same job recorded without them has neither span, and its verdict must not
+# change with the profiler that recorded it)
+FRAMEWORK_FRAME = re.compile(r"^\[pl\]\[(profile|module)\]")
 AUTOGRAD_BACKWARD = re.compile(r"^autograd::engine::evaluate_function")
 # torch.compile's frames (dynamo's entry into a compiled graph): the forward's; the backward of a
 # compiled graph runs inside CompiledFunctionBackward
@@ -440,7 +446,7 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
     comm_tids = set(ev.loc[transfer, "tid"].astype(str)) - train_tids
     host_kinds = _kind_mask(ev, KIND_CPU_OP, KIND_ANNOTATION)
     on_comm_thread = ev["tid"].astype(str).isin(comm_tids).to_numpy()
-    framing = _names_matching(ev, PROFILER_STEP) | dl_mask | closure_steps(ev)
+    framing = frames(ev) | dl_mask
     cpu_comm = (transfer | _names_matching(ev, CPU_COMM_ENQUEUE)) & host_kinds
     host = ev[host_kinds & ~on_comm_thread & ~framing & ~cpu_comm]
     host_busy = union(host["ts"], host["ts"] + host["dur"])
@@ -469,6 +475,12 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
                         collectives=collectives, comm_threads=frozenset(comm_tids),
                         compiled=union(cr["ts"], cr["ts"] + cr["dur"]), warnings=tuple(warnings),
                         input_copies=input_copies, device_timed=device_timed)
+
+
+def frames(ev: pd.DataFrame) -> np.ndarray:
+    """Spans that frame work without being work: ProfilerStep#N, a closure's Optimizer.step, and
+    Lightning's profiler annotations. The ops inside them count; their own time does not."""
+    return _names_matching(ev, PROFILER_STEP) | _names_matching(ev, FRAMEWORK_FRAME) | closure_steps(ev)
 
 
 def closure_steps(ev: pd.DataFrame) -> np.ndarray:
