@@ -140,9 +140,11 @@ def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: in
 
 def probe_records(path: Path) -> Path:
     """The directory of a run's probe records: RUN_DIR/traces, or the directory given."""
+    from diagnose.probedata import _SIDE  # the probes' per-rank file names
+
     d = path / "traces" if (path / "traces").is_dir() else path
     try:
-        found = any(n.name.endswith((".probe.json", ".steps.jsonl")) for n in d.iterdir())
+        found = any(_SIDE.match(n.name) for n in d.iterdir())
     except OSError as exc:
         fail(f"--probes {one_line(str(path))}: cannot read ({one_line(exc.strerror or str(exc))})")
     if not found:

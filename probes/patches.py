@@ -102,48 +102,36 @@ def _job_profiler(probe: Probe):
     import torch.profiler as tp
     from torch.autograd import profiler as ap
 
-    def warned(orig):
-        @functools.wraps(orig)
-        def wrapper(*args, **kwargs):
-            if not probe.in_own_profiler_call():
-                try:
-                    probe.on_job_profiler()
-                except Exception as exc:  # noqa: BLE001
-                    probe._fail("job profiler", exc)
-            return orig(*args, **kwargs)
+    def first(action):
+        """orig, with `action` run before it when the call is not one of the probe's own."""
+        def wrap(orig):
+            @functools.wraps(orig)
+            def wrapper(*args, **kwargs):
+                if not probe.in_own_profiler_call():
+                    try:
+                        action()
+                    except Exception as exc:  # noqa: BLE001
+                        probe._fail("job profiler", exc)
+                return orig(*args, **kwargs)
 
-        setattr(wrapper, _MARK, True)
-        return wrapper
+            setattr(wrapper, _MARK, True)
+            return wrapper
 
+        return wrap
+
+    warned, settled = first(probe.on_job_profiler), first(probe.settle_works)
     undo = []
-    start = getattr(tp.profile, "start", None)
-    if start is not None and not getattr(start, _MARK, False):
-        tp.profile.start = warned(start)
-        undo.append(lambda: setattr(tp.profile, "start", start))
-    prepare = getattr(ap.profile, "_prepare_trace", None)
-    if prepare is not None and not getattr(prepare, _MARK, False):
-        ap.profile._prepare_trace = warned(prepare)
-        undo.append(lambda: setattr(ap.profile, "_prepare_trace", prepare))
-    # the job's profiler stops (stop_trace, the end of a `with`): its CPU collectives settled first,
-    # as for the probe's own (inflight.py: gloo ends their events after waking the training thread)
-    exit_ = getattr(ap.profile, "__exit__", None)
-    if exit_ is not None and not getattr(exit_, _MARK, False):
-        @functools.wraps(exit_)
-        def __exit__(self, *args, **kwargs):
-            if not probe.in_own_profiler_call():
-                try:
-                    probe.settle_works()
-                except Exception as exc:  # noqa: BLE001
-                    probe._fail("job profiler", exc)
-            return exit_(self, *args, **kwargs)
-
-        setattr(__exit__, _MARK, True)
-        ap.profile.__exit__ = __exit__
-        undo.append(lambda: setattr(ap.profile, "__exit__", exit_))
-    on_start = getattr(ap, "_run_on_profiler_start", None)
-    if on_start is not None and not getattr(on_start, _MARK, False):
-        ap._run_on_profiler_start = warned(on_start)  # looked up as a module global at each call
-        undo.append(lambda: setattr(ap, "_run_on_profiler_start", on_start))
+    for owner, name, wrap in (
+            (tp.profile, "start", warned),
+            (ap.profile, "_prepare_trace", warned),
+            # the job's profiler stops (stop_trace, the end of a `with`): its CPU collectives settled
+            # first, as for the probe's own (inflight.py: gloo ends their events after waking the thread)
+            (ap.profile, "__exit__", settled),
+            (ap, "_run_on_profiler_start", warned)):  # a module global, looked up at each call
+        orig = getattr(owner, name, None)
+        if orig is not None and not getattr(orig, _MARK, False):
+            setattr(owner, name, wrap(orig))
+            undo.append(functools.partial(setattr, owner, name, orig))
     return (lambda: [u() for u in undo]) if undo else None
 
 

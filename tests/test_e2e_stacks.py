@@ -22,13 +22,19 @@ STEPS = 10
 SLEEP_MS = 150  # the straggler's sleep before each backward (examples/stack_common.py: --straggler-ms)
 
 
-def run_stack(out, script: str, *args: str, env: dict | None = None):
-    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", "2,2,5", "--",
+def launch_stack(out, script: str, *args: str, env: dict | None = None, schedule: str = "2,2,5"):
+    """`diagnose run` of a 2-rank job of the stack's example, rank 1 the straggler; it exited 0."""
+    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(out), "--schedule", schedule, "--",
            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
            str(ROOT / "examples" / script), "--steps", str(STEPS), "--straggler-rank", "1", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
+    return res
+
+
+def run_stack(out, script: str, *args: str, env: dict | None = None):
+    res = launch_stack(out, script, *args, env=env)
     d = json.loads((run_dir(out) / "diagnosis.json").read_text())
     records = {r: [json.loads(x) for x in (run_dir(out) / "traces" / f"rank{r}.steps.jsonl").read_text().splitlines()]
                for r in (0, 1)}
@@ -86,13 +92,7 @@ def test_lightning_with_its_own_profiler_names_the_straggler(tmp_path):
     `[pl][profile]` annotations counted as work: "launch overhead, both ranks")."""
     pytest.importorskip("lightning", reason="the test extra installs lightning: pip install -e '.[test]'")
     own = tmp_path / "own"
-    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path / "run"), "--schedule", "1,1,2", "--",
-           sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(ROOT / "examples" / "train_lightning.py"), "--steps", str(STEPS), "--straggler-rank", "1",
-           "--torch-profiler", str(own)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
+    res = launch_stack(tmp_path / "run", "train_lightning.py", "--torch-profiler", str(own), schedule="1,1,2")
     assert "the job ran its own torch.profiler" in res.stderr, res.stderr[-3000:]
     d = diagnose_paths([own], probe_paths=[own, run_dir(tmp_path / "run") / "traces"])
     assert d.run.ranks_found == (0, 1)

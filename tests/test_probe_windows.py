@@ -12,6 +12,25 @@ from diagnose.probes import inflight, patches
 from diagnose.probes.core import Probe, Schedule
 
 
+def _train_ddp(probe: Probe, parts, module, width: int, steps: int, each=lambda: None) -> None:
+    """`steps` optimizer steps of a DDP-wrapped `module` (inputs `width` wide) with the probe's hooks `parts` installed
+    (as `diagnose run` installs them), then the probe closed and the hooks removed."""
+    undo = [part(probe) for part in parts]
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(module)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(steps):
+            model(torch.randn(8, width)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            each()
+        probe.close()
+    finally:
+        for u in undo:
+            if u:
+                u()
+
+
 def test_the_window_ends_after_the_ddp_all_reduces_it_recorded_have_finished(tmp_path, gloo_world_of_one):
     from torch import nn
 
@@ -25,19 +44,8 @@ def test_the_window_ends_after_the_ddp_all_reduces_it_recorded_have_finished(tmp
         return settle(*a, **k)
 
     probe._inflight.settle = spy
-    undo = [patches._optimizer(probe), patches._collectives(probe), patches._ddp(probe)]
-    try:
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(6):
-            model(torch.randn(8, 64)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        probe.close()
-    finally:
-        for u in undo:
-            if u:
-                u()
+    _train_ddp(probe, (patches._optimizer, patches._collectives, patches._ddp),
+               nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)), 64, steps=6)
     assert not probe._failed, probe._failed
     assert probe._traces_written == 1
     # at the window's end, with the profiler still on: the recorded steps' bucket all-reduces;
@@ -62,20 +70,9 @@ def test_after_its_windows_the_probe_never_profiles_again(tmp_path, gloo_world_o
     start = torch.profiler.profile.start
     monkeypatch.setattr(torch.profiler.profile, "start", lambda self: (started.append(self), start(self))[1])
     probe = Probe(tmp_path, rank=0, world_size=1, schedule=Schedule.parse(schedule), strict_dir=False)
-    undo = [patches._optimizer(probe), patches._ddp(probe)]
     busy = []
-    try:
-        model = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(20):
-            model(torch.randn(8, 16)).sum().backward()
-            opt.step()
-            busy.append(probe.profiler_busy())
-        probe.close()
-    finally:
-        for u in undo:
-            if u:
-                u()
+    _train_ddp(probe, (patches._optimizer, patches._ddp), nn.Linear(16, 4), 16, steps=20,
+               each=lambda: busy.append(probe.profiler_busy()))
     assert not probe._failed, probe._failed
     assert probe._traces_written == windows
     assert len(started) == 1
