@@ -23,7 +23,7 @@ from typing import Literal
 import click
 
 from diagnose.errors import DiagnoseError, one_line
-from diagnose.rundir import TRACES, RunLock, create_run_dir, sharing_warning
+from diagnose.rundir import TRACES, RunLock, create_run_dir, last_attempt, sharing_warning
 
 
 def probes_dir() -> Path:
@@ -259,6 +259,7 @@ def _profiled_itself(traces: Path) -> bool:
     """A rank's probe saw the job start a torch.profiler of its own (probes.core.on_job_profiler)."""
     from diagnose.probedata import read_meta
 
+    traces, _ = last_attempt(traces, lambda a: any(a.glob("rank*.probe.json")))  # a restarted job's last
     for sidecar in sorted(traces.glob("rank*.probe.json"))[:64]:
         try:
             if read_meta(sidecar).get("job_profiler") is True:
@@ -269,10 +270,10 @@ def _profiled_itself(traces: Path) -> bool:
 
 
 def _wrote_traces(traces: Path) -> bool:
-    from diagnose.ingest.discover import discover_traces
+    from diagnose.ingest.discover import discover_traces, has_traces
 
     try:
-        return bool(discover_traces([traces]))
+        return bool(discover_traces([last_attempt(traces, has_traces)[0]]))
     except DiagnoseError:
         return False
 

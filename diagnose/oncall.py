@@ -20,7 +20,7 @@ from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import jsonsafe
 from diagnose.probedata import _SIDE, as_number, read_json_sidecar, sane_world_size
 from diagnose.probes.safefs import SafeDir, UnsafePath, open_regular
-from diagnose.rundir import TRACES, newest_run
+from diagnose.rundir import TRACES, attempts, last_attempt, newest_run
 
 TAIL_BYTES = 256 * 1024
 CONTROL = "capture.json"  # the probes' side: probes/capture.py
@@ -45,11 +45,14 @@ def probe_dir(run_dir: str | Path, note: Note | None = None) -> Path:
     for d in (run / TRACES, run):
         if _has_live_files(d):
             return d
-    newest = newest_run(run, lambda r: _has_live_files(r / TRACES))
+        attempt, _ = last_attempt(d, _has_live_files)  # a job torchelastic may restart: its current attempt
+        if attempt != d:
+            return attempt
+    newest = newest_run(run, lambda r: _has_live_files(r / TRACES) or bool(attempts(r / TRACES)))
     if newest is not None:
         if note is not None:
             note(f"diagnose: using the newest run in {one_line(str(run))}: {one_line(newest.name)}")
-        return newest / TRACES
+        return probe_dir(newest)
     if not run.exists():
         raise DiagnoseError("no such directory", run)
     raise DiagnoseError("no live probe files (rank*.steps.jsonl): was the job started with `diagnose run` "

@@ -9,10 +9,12 @@ from diagnose.context import Context, build_context, prune_dead_views
 from diagnose.extras import report_extras
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import Progress, Reader, Run, load_run
+from diagnose.ingest.discover import has_traces
 from diagnose.heap import give_back_freed
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
 from diagnose.probedata import ProbeData, load_probe_data
+from diagnose.rundir import last_attempt
 from diagnose.step.breakdown import BreakdownRows
 from diagnose.step.link import LinkSpec
 from diagnose.thresholds import DEFAULT, Thresholds
@@ -136,6 +138,18 @@ def _replay(findings: list[Finding], checks: list[Check], model: StepModel, th: 
     return out, checks, wi.summary
 
 
+def last_attempts(paths: list[str | Path]) -> tuple[list[str | Path], list[str]]:
+    """Each directory of a job torchelastic restarted replaced by its last attempt with traces
+    (rundir.last_attempt: one attempt's traces and step logs, never two mixed), with a line for
+    each; a path this machine does not see (a cluster worker's) is left to the workers."""
+    out, notes = [], []
+    for p in paths:
+        q, note = last_attempt(Path(p), has_traces) if Path(p).is_dir() else (p, None)
+        out.append(q)
+        notes += [note] if note else []
+    return out, notes
+
+
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jobs: int | None = None, progress: Progress | None = None,
                    probe_paths: list[str | Path] | None = None, link: LinkSpec | None = None,
@@ -144,7 +158,9 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     capture's traces sit in a subdirectory of the run's probe directory). link: see diagnose_run.
     reader: where the traces are read (a Dask cluster's workers); the probes' small files are read
     here, from those of the paths that this machine sees too."""
+    paths, restarted = last_attempts(paths)
     run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress, reader=reader)
+    run.warnings.extend(restarted)
     if probe_paths is None:
         probe_paths = paths if reader is None else [p for p in paths if Path(p).exists()]
     probes = load_probe_data(probe_paths) if probe_paths else {}

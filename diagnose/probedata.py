@@ -27,6 +27,7 @@ from diagnose.errors import one_line
 from diagnose.ingest import jsonsafe
 from diagnose.probes.safefs import UnsafePath, open_regular, read_regular
 from diagnose.probes.telemetry import SIGNALS as TELEMETRY_SIGNALS  # a missing one is NaN here, never 0
+from diagnose.rundir import ATTEMPT
 
 _SIDE = re.compile(r"^rank(\d+)\.(probe\.json|steps\.jsonl|steps\.1\.jsonl|telemetry\.jsonl)$")
 MAX_STEP_LINES = 200_000  # bound memory on very long runs: the newest steps matter most
@@ -395,8 +396,10 @@ def _dirs(paths: list[str | Path]) -> list[Path]:
         out.append(d)
         if p.is_dir():
             try:
-                # hidden: a writer's private temp directory (safefs), its files not published yet
-                out += [s for s in sorted(d.iterdir()) if s.is_dir() and not s.name.startswith(".")]
+                # hidden: a writer's private temp directory (safefs), its files not published yet;
+                # attempt{N}: another attempt of a restarted job (rundir.last_attempt picks one)
+                out += [s for s in sorted(d.iterdir()) if s.is_dir() and not s.name.startswith(".")
+                        and not ATTEMPT.match(s.name)]
             except OSError:
                 continue
     return out

@@ -3,6 +3,9 @@
 Layout: `--out PARENT` holds one directory per run, named by its local start time
 (`20261201-153000`; `-2`, `-3`... for runs started in the same second), each holding
 `traces/` (per-rank traces and probe sidecars), `diagnosis.json`, `report.html` and `.lock`.
+A job torchelastic may restart (`torchrun --max-restarts N`, N > 0) writes each attempt into
+`traces/attempt{K}/` (probes/core.py): the analysis reads the last one that holds traces and
+names the others (`last_attempt`).
 
 Why fresh: two runs in one directory mixed their traces ("two traces for rank 0") and step
 logs, and a job that wrote nothing was "diagnosed" from the previous run's traces. The name is
@@ -28,6 +31,7 @@ from diagnose.probes.safefs import SafeDir, shared_warning
 TRACES = "traces"
 LOCK = ".lock"
 RUN_NAME = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
+ATTEMPT = re.compile(r"^attempt(\d+)$")
 MAX_SAME_SECOND = 1000
 
 
@@ -85,7 +89,9 @@ class RunLock:
 
 
 def run_of(path: Path) -> Path:
-    """The run directory of a run directory or of its traces/ folder."""
+    """The run directory of a run directory, of its traces/ folder or of an attempt's in it."""
+    if ATTEMPT.match(path.name) and path.parent.name == TRACES:
+        path = path.parent
     return path.parent if path.name == TRACES else path
 
 
@@ -151,3 +157,32 @@ def sharing_warning(run_dir: Path) -> str | None:
         if w:
             return w
     return None
+
+
+def attempts(directory: Path) -> list[Path]:
+    """The torchelastic attempts' subdirectories of a probe directory, first to last (by number)."""
+    try:
+        found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := ATTEMPT.match(p.name))]
+    except OSError:
+        return []
+    return [p for _, p in sorted(found) if p.is_dir() and not p.is_symlink()]
+
+
+def last_attempt(path: Path, holds: Callable[[Path], bool]) -> tuple[Path, str | None]:
+    """PATH, or, when PATH (a probe directory, or a run directory holding one in traces/) holds a
+    restarted job's attempts, the last of them that `holds` what the caller reads, with one line
+    naming it and the others; (PATH, None) for any other directory."""
+    for d in (path, path / TRACES):
+        runs = attempts(d)
+        if runs:
+            break
+    else:
+        return path, None
+    chosen = next((a for a in reversed(runs) if holds(a)), None)
+    if chosen is None:
+        return path, None
+    others = [a.name for a in runs if a != chosen]
+    if not others:
+        return chosen, None
+    return chosen, (f"{d}: the job was restarted by torchelastic ({len(runs)} attempts); read its last attempt "
+                    f"with data, {chosen.name} (an earlier one: diagnose analyze {d / others[-1]})")

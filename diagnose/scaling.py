@@ -34,9 +34,10 @@ import numpy as np
 from diagnose.errors import DiagnoseError
 from diagnose.model import Diagnosis
 from diagnose.ingest.assemble import Reader
+from diagnose.ingest.discover import has_traces
 from diagnose.pipeline import diagnose_paths
 from diagnose.probedata import job_step_ms, load_probe_data
-from diagnose.rundir import resolve_run
+from diagnose.rundir import last_attempt, resolve_run
 from diagnose.units import rank_ranges
 
 CAUSES = ("dataloader_starvation", "input_stall", "exposed_communication", "straggler", "launch_overhead")
@@ -131,7 +132,8 @@ def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None,
     else:
         traces = run_dir  # the workers' listing finds DIR/traces/ as a local one would
     d = diagnose_paths([traces], reader=reader)
-    probe_ms, probe_batch = _probe_step_ms(traces)
+    # a job torchelastic restarted: the every-step record of the attempt its traces came from
+    probe_ms, probe_batch = _probe_step_ms(last_attempt(traces, has_traces)[0])
     trace_ms = statistics.fmean(d.run.mean_step_ms.values())
     step_ms, source = (probe_ms, "probe steps") if probe_ms else (trace_ms, "traced steps")
     batch = batch_size or probe_batch

@@ -147,6 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append each step's wall time (ms) to STEP_LOG.rank{R} (for the overhead benchmark)")
     p.add_argument("--exit-early-rank", type=int, default=-1, help="this rank exits after --exit-early-step")
     p.add_argument("--exit-early-step", type=int, default=3)
+    p.add_argument("--crash-rank", type=int, default=-1,
+                   help="this rank fails (exit status 3) at --crash-at-step, on torchelastic's first attempt only "
+                        "(TORCHELASTIC_RESTART_COUNT 0): `torchrun --max-restarts 1` restarts the job")
+    p.add_argument("--crash-at-step", type=int, default=12)
     p.add_argument("--slow-from-step", type=int, default=-1, help="a mid-run fault starts at this step")
     p.add_argument("--slow-rank", type=int, default=-1, help="the rank the mid-run fault hits (-1: every rank)")
     p.add_argument("--slow-compute-ms", type=float, default=0.0, help="extra compute per step from then")
@@ -317,6 +321,9 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     while step < args.steps:
         if rank == args.exit_early_rank and step >= args.exit_early_step:
             os._exit(0)  # a rank that dies mid-run, without cleanup
+        if rank == args.crash_rank and step >= args.crash_at_step and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os._exit(3)  # a failure torchelastic restarts the job for
         if rank == args.stall_rank and step == args.stall_at_step:
             time.sleep(args.stall_s)  # a rank stuck (I/O, a hung filesystem)
         fault = 0 <= args.slow_from_step <= step and args.slow_rank in (-1, rank)

@@ -13,6 +13,11 @@ Files written in `out_dir` (all per rank, all atomic or append-only):
 - `rank{R}.probe.json`   run metadata + summary, rewritten atomically (temp file + rename)
 - `rank{R}.{stamp}.pt.trace.json.gz`  torch.profiler traces of the scheduled windows
 
+Under torchelastic with restarts allowed (`torchrun --max-restarts N`, N > 0), each attempt of the
+job writes into `out_dir/attempt{K}/` (K: TORCHELASTIC_RESTART_COUNT): a restarted job's ranks
+start again from step 0, and their files must not mix with the failed attempt's (two traces per
+rank, step logs counting from 0 twice). The analysis reads the last attempt (diagnose/rundir.py).
+
 All of them go through `safefs` (the run directory may be shared: no symlink, FIFO or foreign
 file planted there is followed). R is resolved once, before the first file is named: the
 process group's rank when it exists, else the launcher's RANK; a process that is not a training
@@ -96,6 +101,17 @@ def resolve_identity() -> tuple[int, int] | None:
         return None
 
 
+def elastic_attempt() -> int | None:
+    """torchelastic's attempt number when the job may be restarted (TORCHELASTIC_MAX_RESTARTS > 0),
+    else None: a job that cannot restart keeps the flat layout."""
+    try:
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), 0)
+    except ValueError:
+        pass
+    return None
+
+
 @dataclass(slots=True)
 class StepRecord:
     step: int
@@ -137,6 +153,8 @@ class Probe:
         strict_dir: out_dir is the tool's own (made by the launcher): never a symlink, ours only;
         False for a directory the user named (`probes.watch(DIR)`)."""
         self.out_dir = Path(out_dir)
+        self.attempt = elastic_attempt()
+        """torchelastic's attempt when restarts are allowed: files go to out_dir/attempt{N}/."""
         self._claimed = rank is not None
         self.rank = rank if rank is not None else -1
         self.world_size = world_size if world_size is not None else 1
@@ -199,13 +217,23 @@ class Probe:
         """The output directory, opened once (after the rank is claimed)."""
         if self._dir is None and self.claim():
             try:
-                self._dir = SafeDir.open(self.out_dir, create=True, strict=self.strict_dir)
+                top = SafeDir.open(self.out_dir, create=True, strict=self.strict_dir)
                 # a directory the launcher made: the launcher says it once for the whole run
-                if self._dir.warning and not self.strict_dir:
-                    log.warning("diagnose probe (rank %s): %s", self.rank, self._dir.warning)
+                if top.warning and not self.strict_dir:
+                    log.warning("diagnose probe (rank %s): %s", self.rank, top.warning)
+                self._dir = self._attempt_dir(top)
             except Exception as exc:  # noqa: BLE001
                 self._fail("output", exc)
         return self._dir
+
+    def _attempt_dir(self, top: SafeDir, create: bool = True) -> SafeDir:
+        """`top` itself, or this torchelastic attempt's subdirectory of it (opened, `top` closed)."""
+        if self.attempt is None:
+            return top
+        try:
+            return top.subdir(f"attempt{self.attempt}", create=create)
+        finally:
+            top.close()
 
     # ---- events from the training loop --------------------------------------------
     def on_data_wait(self, seconds: float) -> None:
@@ -561,7 +589,8 @@ class Probe:
         if not self._claimed or not self.ok("output"):
             return
         try:  # close() may have run already (SIGTERM: finish first, then this): open it again
-            d = self._dir or SafeDir.open(self.out_dir, create=False, strict=self.strict_dir)
+            d = self._dir or self._attempt_dir(SafeDir.open(self.out_dir, create=False, strict=self.strict_dir),
+                                                create=False)
         except OSError:
             return
         prefix = f"rank{self.rank}."

@@ -136,6 +136,35 @@ def test_a_job_profiling_itself_runs_to_its_end_under_the_probes(tmp_path):
     assert set(steps) == {0, 1} and min(steps.values()) >= 10
 
 
+def test_a_job_torchelastic_restarts_is_diagnosed_from_its_last_attempt(tmp_path):
+    """Until 2026-12-07 a job restarted by `torchrun --max-restarts` ran to its end, and then
+    `diagnose run` said "could not analyse the run: two traces for rank 0 (mixed runs?)": the
+    restarted ranks wrote beside the failed attempt's files and appended to its step logs. Each
+    attempt now has its own directory; the last one is analysed, the restart named.
+
+    c10d rendezvous with its own store: torch 2.13's store shared with the rendezvous gives a
+    restarted gloo job the failed attempt's peer addresses (pytorch/pytorch#135712, #167288), and
+    its restart fails without the probes too (2 of 5 here with the static rendezvous)."""
+    cmd = [sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",
+           sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{_free_port()}", str(EXAMPLE),
+           "--steps", "16", "--straggler-rank", "1", "--straggler-ms", "120", "--crash-rank", "1",
+           "--crash-at-step", "10"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    traces = run_dir(tmp_path) / "traces"
+    assert sorted(p.name for p in traces.iterdir()) == ["attempt0", "attempt1"]
+    for a in ("attempt0", "attempt1"):  # each attempt whole on its own: one trace and one step log a rank
+        assert sorted(p.name.split(".")[0] for p in (traces / a).glob("*.pt.trace.json.gz")) == ["rank0", "rank1"]
+    first = [json.loads(x)["step"] for x in (traces / "attempt1" / "rank0.steps.jsonl").read_text().splitlines()]
+    assert first == list(range(16))
+    d = verdict(tmp_path)
+    assert all("/attempt1/" in f for f in d["run"]["files"].values()), d["run"]["files"]
+    assert d["findings"][0]["id"] == "straggler" and d["findings"][0]["ranks"] == [1], res.stdout
+    assert any("restarted by torchelastic (2 attempts)" in w and "attempt0" in w for w in d["warnings"])
+
+
 def test_single_process_script(tmp_path):
     res = subprocess.run([sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",
                           sys.executable, str(EXAMPLE), "--steps", "10"],

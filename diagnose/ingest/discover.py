@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 from diagnose.errors import DiagnoseError
+from diagnose.rundir import ATTEMPT
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 # Our own outputs and sidecars live beside traces; they are not traces.
@@ -43,6 +44,14 @@ def _listdir(directory: Path) -> list[Path]:
         raise DiagnoseError(f"cannot list directory ({exc.strerror or exc})", directory) from None
 
 
+def has_traces(directory: Path) -> bool:
+    """The directory itself holds trace files (an unreadable one holds none we can use)."""
+    try:
+        return bool(_candidates(directory))
+    except DiagnoseError:
+        return False
+
+
 def _subdirs_with_traces(directory: Path) -> list[Path]:
     out = []
     for d in sorted(_listdir(directory)):
@@ -57,9 +66,10 @@ def _subdirs_with_traces(directory: Path) -> list[Path]:
 
 
 def _runs_with_traces(parent: Path) -> list[Path]:
-    from diagnose.rundir import TRACES, run_dirs
+    from diagnose.rundir import TRACES, last_attempt, run_dirs
 
-    return [r for r in run_dirs(parent) if (r / TRACES).is_dir() and _candidates(r / TRACES)]
+    return [r for r in run_dirs(parent)
+            if (r / TRACES).is_dir() and has_traces(last_attempt(r / TRACES, has_traces)[0])]
 
 
 def discover_traces(paths: list[str | Path]) -> list[Path]:
@@ -86,6 +96,10 @@ def discover_traces(paths: list[str | Path]) -> list[Path]:
                 files = _candidates(subdirs[0])
             elif len(subdirs) > 1:
                 names = ", ".join(d.name for d in subdirs)
+                if all(ATTEMPT.match(d.name) for d in subdirs):  # probes/core.py: torchelastic restarts
+                    last = max(subdirs, key=lambda d: int(ATTEMPT.match(d.name).group(1)))
+                    raise DiagnoseError(f"traces of {len(subdirs)} attempts of a job torchelastic restarted "
+                                        f"({names}); pass one (the last: {last})", p)
                 raise DiagnoseError(
                     f"traces in several subdirectories ({names}): likely several runs; pass one of them", p
                 )
