@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .core import Probe, Schedule
+from .sigterm import flush_on_sigterm
 
 __all__ = ["watch", "Watch", "start", "Session", "Probe", "Schedule", "install_from_env"]
 
@@ -168,32 +169,12 @@ def install_from_env() -> Probe | None:
         probe.close()
 
     atexit.register(finish)
-    _flush_on_sigterm(finish, probe)
+
+    def flush() -> None:
+        finish()
+        probe.remove_temp_files()
+
+    flush_on_sigterm(flush)
     return probe
 
 
-def _flush_on_sigterm(finish, probe: Probe) -> None:
-    """torchrun stops surviving ranks with SIGTERM when one fails: flush what we have first.
-
-    Only when the job left SIGTERM at its default (we never replace a handler of the user's).
-    """
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
-
-    def on_term(signum, frame):
-        try:
-            finish()
-            probe.remove_temp_files()
-        finally:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    try:
-        signal.signal(signal.SIGTERM, on_term)
-    except (ValueError, OSError):
-        pass
