@@ -174,7 +174,7 @@ def install_from_env() -> Probe | None:
         finish()
         probe.remove_temp_files()
 
-    flush_on_sigterm(flush)
+    flush_on_sigterm(flush, probe.busy)
     return probe
 
 

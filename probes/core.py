@@ -183,6 +183,8 @@ class Probe:
         # set while the probe itself drives one of its profilers: any other profiler that prepares
         # or starts is the job's own, and the probe's stands aside (patches._job_profiler)
         self._own_call = threading.local()
+        self._in_own_calls = 0  # across threads, for `busy`
+        self._busy_lock = threading.Lock()
         self.job_profiler = False
         self._hang = None
         self._telemetry = None
@@ -400,10 +402,19 @@ class Probe:
     def own_profiler(self):
         """Around every call the probe makes into one of its own profilers."""
         self._own_call.depth = getattr(self._own_call, "depth", 0) + 1
+        with self._busy_lock:
+            self._in_own_calls += 1
         try:
             yield
         finally:
             self._own_call.depth -= 1
+            with self._busy_lock:
+                self._in_own_calls -= 1
+
+    def busy(self) -> bool:
+        """A thread is inside one of the probe's own profiler calls (a window's stop and export,
+        seconds for a large trace): a SIGTERM's flush waits for it (probes/sigterm.py)."""
+        return self._in_own_calls > 0
 
     def in_own_profiler_call(self) -> bool:
         return getattr(self._own_call, "depth", 0) > 0

@@ -10,7 +10,8 @@ min for gloo), and torchrun's teardown waits 30 s, then sends SIGKILL. The inter
 handler writes the signal's number to the wakeup fd at once, so a thread of ours learns of it
 even then (`_Watch`): when the handler has not begun within GRACE_S, the process ends by
 SIGTERM's default action, as it would have without the probe (unflushed: the step logs are
-flushed every step anyway).
+flushed every step anyway). While the probe's own work holds the main thread (a window's stop and
+export, whose flush is worth having), it waits for that first, up to BUSY_S.
 
 The watch stands aside wherever it could do harm: when the job (or torchrun's agent, which
 imports torch too) installs a SIGTERM handler of its own, when a wakeup fd is already set
@@ -22,15 +23,20 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 GRACE_S = 2.0
 """How long the main thread has to begin the handler: it runs within milliseconds between
 bytecodes; only a call that does not return keeps it longer."""
+BUSY_S = 20.0
+"""How long the probe's own work (a window's stop and export: seconds for a large trace) may hold
+the main thread before the flush: below torchrun's 30 s between SIGTERM and SIGKILL."""
 
 
-def flush_on_sigterm(finish) -> None:
+def flush_on_sigterm(finish, busy=lambda: False) -> None:
     """On SIGTERM: `finish()`, then die by SIGTERM. Only when the job left SIGTERM at its default
-    (a handler of the user's is never replaced), and only from the main thread."""
+    (a handler of the user's is never replaced), and only from the main thread. busy(): the
+    probe's own work holds the main thread (its flush is worth waiting for, up to BUSY_S)."""
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
@@ -49,20 +55,20 @@ def flush_on_sigterm(finish) -> None:
         signal.signal(signal.SIGTERM, on_term)
     except (ValueError, OSError):
         return
-    _Watch.start(on_term, began)
+    _Watch.start(on_term, began, busy)
 
 
 class _Watch:
     """A daemon thread reading the interpreter's signal wakeup fd (see the module's docstring)."""
 
-    def __init__(self, handler, began: threading.Event, r: int, w: int) -> None:
-        self.handler, self.began, self.r, self.w = handler, began, r, w
+    def __init__(self, handler, began: threading.Event, busy, r: int, w: int) -> None:
+        self.handler, self.began, self.busy, self.r, self.w = handler, began, busy, r, w
         self.paused = False
         self.retired = False
         """Set for good when a fork happens off the main thread (see `pause`)."""
 
     @classmethod
-    def start(cls, handler, began: threading.Event) -> None:
+    def start(cls, handler, began: threading.Event, busy) -> None:
         r, w = os.pipe()
         try:
             os.set_blocking(w, False)
@@ -76,7 +82,7 @@ class _Watch:
             os.close(r)
             os.close(w)
             return
-        watch = cls(handler, began, r, w)
+        watch = cls(handler, began, busy, r, w)
         os.register_at_fork(before=watch.pause, after_in_parent=watch.resume, after_in_child=watch.forget)
         threading.Thread(target=watch.run, name="diagnose-sigterm", daemon=True).start()
 
@@ -134,8 +140,27 @@ class _Watch:
                 return
             if not got:
                 return
-            if signal.SIGTERM in got and not self.began.wait(GRACE_S) and not self.retired and self.still_ours():
+            if signal.SIGTERM in got and not self.handler_begins() and not self.retired and self.still_ours():
                 _die_by_sigterm()
+
+    def handler_begins(self) -> bool:
+        """The handler began within GRACE_S, or within GRACE_S of the end of the probe's own work
+        on the main thread (waited for up to BUSY_S)."""
+        deadline = time.monotonic() + BUSY_S
+        quiet_since = time.monotonic()
+        while not self.began.wait(0.1):
+            now = time.monotonic()
+            if self.probe_busy() and now < deadline:
+                quiet_since = now
+            elif now - quiet_since >= GRACE_S:
+                return False
+        return True
+
+    def probe_busy(self) -> bool:
+        try:
+            return bool(self.busy())
+        except Exception:  # noqa: BLE001 - a probe that cannot say is not busy
+            return False
 
     def still_ours(self) -> bool:
         """The probe's handler is still SIGTERM's: no one (the job, torchrun's agent) took it over."""

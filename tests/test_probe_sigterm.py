@@ -31,6 +31,10 @@ RANK = textwrap.dedent("""
     dist.init_process_group("gloo", rank=rank, world_size=2)
     if rank == 1:
         time.sleep(float(os.environ["LATE_S"]))
+    busy_until = time.monotonic() + float(os.environ.get("BUSY_S", "0"))
+    if os.environ.get("BUSY_S"):  # the watch alone, told the probe's own work holds the main thread
+        from diagnose.probes.sigterm import flush_on_sigterm
+        flush_on_sigterm(lambda: None, busy=lambda: time.monotonic() < busy_until)
     print("in all_reduce", flush=True)
     dist.all_reduce(torch.ones(1000))  # rank 0 waits here, inside one C++ call
     print("all_reduce done", flush=True)
@@ -74,6 +78,22 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective(tmp_path, probes):
         took = _ended_within(waiting, 15)
         assert took is not None, "the rank ignored SIGTERM while blocked in all_reduce"
         assert waiting.returncode == -signal.SIGTERM  # ended as SIGTERM ends a process, not by an exit code
+    finally:
+        for p in (waiting, late):
+            p.kill()
+            p.communicate()
+
+
+def test_the_probes_own_work_on_the_main_thread_is_waited_for(tmp_path):
+    """A window's stop and export (seconds for a large trace) hold the main thread, and their
+    flush is worth having: the watch waits while the probe says it is busy (here 7 s from the
+    call, SIGTERM at 1 s), then its grace (2 s), and only then ends the process."""
+    waiting, late = _pair(tmp_path, False, BUSY_S="7")
+    try:
+        waiting.send_signal(signal.SIGTERM)
+        took = _ended_within(waiting, 20)
+        assert took is not None and 5.0 <= took <= 12.0, took  # ~8 s: 6 s busy after the SIGTERM, then 2
+        assert waiting.returncode == -signal.SIGTERM
     finally:
         for p in (waiting, late):
             p.kill()
