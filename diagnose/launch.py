@@ -24,6 +24,7 @@ import click
 
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.rundir import TRACES, RunLock, create_run_dir, last_attempt, sharing_warning
+from diagnose.units import rank_ranges
 
 
 def probes_dir() -> Path:
@@ -248,10 +249,17 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
         from diagnose.output import analyze_outputs
 
         try:
-            analyze_outputs([str(traces)], run_dir, echo=echo, link=link)
+            d = analyze_outputs([str(traces)], run_dir, echo=echo, link=link)
         except DiagnoseError as exc:
             click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
             return RunOutcome(code, run_dir, "analysis_failed")
+        nodes = nodes_of(command)
+        if nodes and d.run.ranks_missing:
+            click.echo(f"diagnose: the job spans {nodes} nodes and this node's run directory holds rank(s) "
+                       f"{rank_ranges(d.run.ranks_found)} of {d.run.world_size}: its verdict cannot see the others. "
+                       f"Analyse every node's ranks together: diagnose analyze {one_line(str(traces))} OTHER_RUN/traces ... "
+                       "(each node's `diagnose run` makes its own run directory, side by side in a shared --out; "
+                       "on node-local disks, --cluster: docs/cluster.md)", err=True)
     return RunOutcome(code, run_dir, "analysed")
 
 
@@ -276,6 +284,28 @@ def _wrote_traces(traces: Path) -> bool:
         return bool(discover_traces([last_attempt(traces, has_traces)[0]]))
     except DiagnoseError:
         return False
+
+
+def nodes_of(command: list[str], env: dict | None = None) -> int | None:
+    """How many nodes the job spans when more than one: torchrun's --nnodes (N, or MIN:MAX: at
+    most MAX; read before the script's own arguments), else the Slurm allocation the launcher
+    runs in; None for one node or unknown."""
+    env = os.environ if env is None else env
+    n = None
+    for i, a in enumerate(command):
+        if a.endswith(".py"):
+            break
+        value = a.split("=", 1)[1] if a.startswith("--nnodes=") else \
+            command[i + 1] if a == "--nnodes" and i + 1 < len(command) else None
+        if value is not None:
+            try:
+                n = max(int(x) for x in value.split(":"))
+            except ValueError:
+                n = None
+    for k in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        if n is None and env.get(k, "").isdigit():
+            n = int(env[k])
+    return n if n and n > 1 else None
 
 
 def script_args(command: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from diagnose import __version__
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.model import Diagnosis, Grid
 from diagnose.probes.safefs import write_atomic  # the one safe writer, shared with the probes
-from diagnose.units import human, on_ranks
+from diagnose.units import human, on_ranks, rank_ranges
 
 
 def _clean(x):
@@ -171,6 +171,10 @@ def terminal_summary(d: Diagnosis) -> str:
             lines.append(f"  {f.recoverable_ms:.1f} ms per step recoverable ({f.share_of_step:.0%} of the step), "
                          f"{on_ranks(f.ranks, r.ranks_found)}, confidence {f.confidence}")
         lines.append(f"  fix: {f.fix}")
+    if r.ranks_missing and (f is None or f.kind != "capacity"):  # beside the verdict, not only in the warnings
+        lines.append(f"  caution: {len(r.ranks_found)} of {r.world_size} ranks here (rank(s) "
+                     f"{rank_ranges(r.ranks_missing)} missing): a cause there is not seen, and waiting for them reads "
+                     "as communication here; analyse every rank's traces together")
     found = len(r.ranks_found)
     ws = r.world_size or found
     mean = sum(r.mean_step_ms.values()) / max(len(r.mean_step_ms), 1)
@@ -256,9 +260,9 @@ class HtaOptions:
 
 def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
                     echo: bool = True, hta: HtaOptions | None = None, probe_paths: list[str] | None = None,
-                    link=None, cluster: str | None = None) -> None:
+                    link=None, cluster: str | None = None) -> Diagnosis:
     """The shared tail of every diagnosing command; raises DiagnoseError on bad input. cluster: a
-    Dask scheduler's address (or local:N) whose workers list and read `paths`."""
+    Dask scheduler's address (or local:N) whose workers list and read `paths`. Returns what it wrote."""
     from diagnose.output import terminal_summary, write_json
     from diagnose.pipeline import diagnose_paths
 
@@ -303,3 +307,4 @@ def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs
             click.echo(hta_summary(d))
             click.echo("")
         click.echo("wrote " + ", ".join(str(p) for p in written))
+    return d

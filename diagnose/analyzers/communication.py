@@ -23,6 +23,7 @@ from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES
 from diagnose.step.collectives import collectives_table
 from diagnose.step.cover import column
 from diagnose.thresholds import Thresholds
+from diagnose.units import rank_ranges
 
 ID = "exposed_communication"
 TITLE = "Exposed communication (collectives not overlapped with compute)"
@@ -98,6 +99,13 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
             metrics["ddp_bucket_cap_mb"] = cap_mb
     if wait_ms > 0:
         metrics["peer_wait_ms_per_step_not_counted"] = round(wait_ms, 3)
+    # a rank whose trace is missing (another node's run directory, a rank that died) cannot be
+    # matched: the wait for it stays in its peers' collectives, and a straggler there reads as
+    # communication here (a 2-node job, each node's run alone: 137.7 ms "exposed" on rank 0 that
+    # was rank 1's 100 ms sleep)
+    missing = run.missing_ranks
+    if missing:
+        metrics["includes_waits_for_missing_ranks"] = rank_ranges(missing)
     for r in exposed.index:
         metrics[f"rank{r}_exposed_comm_ms"] = round(float(exposed[r]), 3)
     if run.is_gpu:
@@ -116,7 +124,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=ranks or tuple(run.ranks), metrics=metrics, events=refs,
         fix=FIX_TINY if tiny else (bucket and bucket[1]) or FIX,
-        confidence=confidence_for(ctx, "high" if len(run.ranks) > 1 else "medium"),
+        confidence="low" if missing else confidence_for(ctx, "high" if len(run.ranks) > 1 else "medium"),
         method="Median over ranks of per-step communication not hidden under compute, excluding time "
                "spent waiting for the last-arriving rank (a late peer: the straggler check's).")
     reason = (f"communication is exposed {ms:.1f} ms per step ({share:.0%}); "
@@ -125,6 +133,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         reason += f"; {per_step:.0f} small collectives per step (no bucketing?)"
     elif bucket:
         reason += bucket[0]
+    if missing:
+        reason += (f"; it includes any wait for the missing rank(s) {rank_ranges(missing)}, whose traces are not "
+                   "here (a late rank there reads as communication here): analyse every rank's traces together")
     return [flag_or_pass(f, th.communication, th, reason, ctx)]
 
 
