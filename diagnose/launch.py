@@ -244,7 +244,8 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
                            f"with the probes' records (diagnose analyze THEIR_DIR --probes {one_line(str(run_dir))}), "
                            "or run the job without its profiler", err=True)
             else:
-                click.echo(f"diagnose: the job wrote no traces (exit {code}); nothing to analyse", err=True)
+                click.echo(f"diagnose: the job wrote no traces (exit {code}); nothing to analyse"
+                           f"{_before_the_window(traces, schedule)}", err=True)
             return RunOutcome(code, run_dir, "no_traces")
         from diagnose.output import analyze_outputs
 
@@ -257,7 +258,8 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
         if nodes and d.run.ranks_missing:
             click.echo(f"diagnose: the job spans {nodes} nodes and this node's run directory holds rank(s) "
                        f"{rank_ranges(d.run.ranks_found)} of {d.run.world_size}: its verdict cannot see the others. "
-                       f"Analyse every node's ranks together: diagnose analyze {one_line(str(traces))} OTHER_RUN/traces ... "
+                       "Analyse every node's ranks together: diagnose analyze "
+                       f"{one_line(str(traces))} OTHER_RUN/traces ... "
                        "(each node's `diagnose run` makes its own run directory, side by side in a shared --out; "
                        "on node-local disks, --cluster: docs/cluster.md)", err=True)
     return RunOutcome(code, run_dir, "analysed")
@@ -275,6 +277,34 @@ def _profiled_itself(traces: Path) -> bool:
         except ValueError:
             continue
     return False
+
+
+def _before_the_window(traces: Path, schedule: str) -> str:
+    """Why no trace, when the probes' step logs say it: every rank ended before the profiler's
+    window began (a short test run under the default 2,2,5); '' otherwise."""
+    from diagnose.probedata import _SIDE
+    from diagnose.probes.core import Schedule
+
+    sch = Schedule.parse(schedule)
+    if not sch.enabled:
+        return " (--schedule off: timings only, in the run directory's step logs)"
+    logs = last_attempt(traces, lambda a: any(a.glob("rank*.steps.jsonl")))[0]
+    steps = []
+    for log in sorted(logs.glob("rank*.steps.jsonl"))[:64]:
+        m = _SIDE.match(log.name)
+        if m:
+            try:
+                with log.open("rb") as f:  # a step's line (not the device's last-steps line of a CUDA rank)
+                    steps.append(sum(1 for line in f if line.startswith(b'{"step"')))
+            except OSError:
+                continue
+    first = sch.wait + sch.warmup + 1  # the first recorded step, counted from 1
+    if not steps or max(steps) >= first:
+        return ""
+    ran = max(steps)
+    earlier = f" or an earlier window (--schedule 0,1,{ran - 1})" if ran >= 2 else ""
+    return (f": the job ran {ran} step(s), and the profiler's window (--schedule {schedule}) records from step "
+            f"{first}; rerun with more steps{earlier}")
 
 
 def _wrote_traces(traces: Path) -> bool:

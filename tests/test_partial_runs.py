@@ -59,3 +59,27 @@ def test_the_summary_says_beside_the_verdict_what_it_cannot_see(rank0_alone):
 ])
 def test_the_launcher_knows_a_job_over_several_nodes(command, env, nodes):
     assert nodes_of(command, env) == nodes
+
+
+@pytest.mark.parametrize("ran, schedule, says", [
+    (3, "2,2,5", (": the job ran 3 step(s), and the profiler's window (--schedule 2,2,5) records from step 5; "
+                  "rerun with more steps or an earlier window (--schedule 0,1,2)")),
+    (1, "2,2,5", (": the job ran 1 step(s), and the profiler's window (--schedule 2,2,5) records from step 5; "
+                  "rerun with more steps")),
+    (6, "2,2,5", ""),  # it reached the window: no trace for another reason, not guessed
+    (3, "off", " (--schedule off: timings only, in the run directory's step logs)"),
+])
+def test_a_run_that_ended_before_the_window_says_so(tmp_path, ran, schedule, says):
+    """`diagnose run` of a short smoke test used to end in "the job wrote no traces; nothing to
+    analyse" alone. The step logs are the probes' own, written by a real Probe."""
+    from diagnose.probes.core import Probe, Schedule
+
+    from diagnose.launch import _before_the_window
+
+    for rank in (0, 1):
+        probe = Probe(tmp_path, rank=rank, world_size=2, schedule=Schedule(enabled=False))
+        for _ in range(ran):  # the first call opens step 0, each later one ends a step; close() the last
+            probe.on_step()
+        probe.close()
+    assert len((tmp_path / "rank0.steps.jsonl").read_text().splitlines()) == ran
+    assert _before_the_window(tmp_path, schedule) == says
