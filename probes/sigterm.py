@@ -181,5 +181,7 @@ def _die_by_sigterm() -> None:
         libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
         libc.signal(int(signal.SIGTERM), None)  # None: SIG_DFL (0)
         os.kill(os.getpid(), signal.SIGTERM)
-    except Exception:  # noqa: BLE001 - no libc to call: the exit status a shell gives SIGTERM
-        os._exit(128 + int(signal.SIGTERM))
+        time.sleep(1.0)  # gone by now, unless the reset did not take
+    except Exception:  # noqa: BLE001 - no libc to call
+        pass
+    os._exit(128 + int(signal.SIGTERM))  # the exit status a shell gives SIGTERM
