@@ -45,6 +45,11 @@ A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --
 Launching: torchrun (above), or `python examples/train_ddp.py --spawn 2`: torch.multiprocessing.spawn
 starts the ranks itself and no RANK is set in their environment (as with mp.spawn, srun or mpirun
 scripts that pass the rank to init_process_group).
+
+An elastic restart: `--crash-rank R --crash-at-step S` makes rank R fail (exit status 3) at step S
+on torchelastic's first attempt only, so `torchrun --max-restarts 1` restarts the job and the
+second attempt runs to its end (on torch 2.13 with gloo, with c10d rendezvous and
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: tests/test_e2e_probes.py says why).
 """
 from __future__ import annotations
 
