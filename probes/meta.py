@@ -5,7 +5,11 @@ import os
 import platform
 
 ENV_KEYS_PREFIX = ("NCCL_", "TORCH_NCCL_", "GLOO_", "CUDA_", "OMP_", "MKL_", "TORCH_DISTRIBUTED_", "PYTORCH_CUDA_ALLOC")
-ENV_KEYS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")
+ENV_KEYS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
+            # which job, node and attempt a rank belongs to: each node's run directory of one multi-node
+            # job carries the same rendezvous, and a restarted job its attempt (probes/core.py)
+            "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+            "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NODEID")
 
 
 def environment() -> dict[str, str]:
