@@ -138,36 +138,23 @@ def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: in
     sys.exit(analyze_and_write(paths, out, max_trace_gb, jobs, opts, link, cluster, probe_paths))
 
 
-def _has_records(d: Path) -> bool:
-    """D holds the probes' per-rank records (rank*.probe.json, rank*.steps.jsonl)."""
-    from diagnose.probedata import _SIDE  # the probes' per-rank file names
-
-    return any(_SIDE.match(n.name) for n in d.iterdir())
-
-
 def probe_records(path: Path) -> Path:
     """The directory of a run's probe records: RUN_DIR/traces, or the directory given (of a job
     torchelastic restarted, its last attempt's)."""
+    from diagnose.probedata import has_records
     from diagnose.rundir import last_attempt
 
     d = path / "traces" if (path / "traces").is_dir() else path
-    d, restarted = last_attempt(d, lambda a: _quietly(_has_records, a))
+    d, restarted = last_attempt(d, has_records)
     try:
-        found = _has_records(d)
+        next(d.iterdir(), None)
     except OSError as exc:
         fail(f"--probes {one_line(str(path))}: cannot read ({one_line(exc.strerror or str(exc))})")
-    if not found:
+    if not has_records(d):
         fail(f"--probes {one_line(str(path))}: no probe records (rank*.probe.json, rank*.steps.jsonl)")
     if restarted:
         click.echo(f"diagnose: {one_line(restarted)}", err=True)
     return d
-
-
-def _quietly(test, d: Path) -> bool:
-    try:
-        return test(d)
-    except OSError:
-        return False
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

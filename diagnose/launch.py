@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Literal
 
@@ -267,9 +268,9 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
 
 def _profiled_itself(traces: Path) -> bool:
     """A rank's probe saw the job start a torch.profiler of its own (probes.core.on_job_profiler)."""
-    from diagnose.probedata import read_meta
+    from diagnose.probedata import has_records, read_meta
 
-    traces, _ = last_attempt(traces, lambda a: any(a.glob("rank*.probe.json")))  # a restarted job's last
+    traces, _ = last_attempt(traces, has_records)  # a restarted job's last attempt
     for sidecar in sorted(traces.glob("rank*.probe.json"))[:64]:
         try:
             if read_meta(sidecar).get("job_profiler") is True:
@@ -282,22 +283,20 @@ def _profiled_itself(traces: Path) -> bool:
 def _before_the_window(traces: Path, schedule: str) -> str:
     """Why no trace, when the probes' step logs say it: every rank ended before the profiler's
     window began (a short test run under the default 2,2,5); '' otherwise."""
-    from diagnose.probedata import _SIDE
+    from diagnose.probedata import has_records
     from diagnose.probes.core import Schedule
 
     sch = Schedule.parse(schedule)
     if not sch.enabled:
         return " (--schedule off: timings only, in the run directory's step logs)"
-    logs = last_attempt(traces, lambda a: any(a.glob("rank*.steps.jsonl")))[0]
+    logs = last_attempt(traces, has_records)[0]
     steps = []
     for log in sorted(logs.glob("rank*.steps.jsonl"))[:64]:
-        m = _SIDE.match(log.name)
-        if m:
-            try:
-                with log.open("rb") as f:  # a step's line (not the device's last-steps line of a CUDA rank)
-                    steps.append(sum(1 for line in f if line.startswith(b'{"step"')))
-            except OSError:
-                continue
+        try:
+            with log.open("rb") as f:  # a step's line (not the device's last-steps line of a CUDA rank)
+                steps.append(sum(1 for line in f if line.startswith(b'{"step"')))
+        except OSError:
+            continue
     first = sch.wait + sch.warmup + 1  # the first recorded step, counted from 1
     if not steps or max(steps) >= first:
         return ""
@@ -321,20 +320,16 @@ def nodes_of(command: list[str], env: dict | None = None) -> int | None:
     most MAX; read before the script's own arguments), else the Slurm allocation the launcher
     runs in; None for one node or unknown."""
     env = os.environ if env is None else env
-    n = None
-    for i, a in enumerate(command):
-        if a.endswith(".py"):
-            break
-        value = a.split("=", 1)[1] if a.startswith("--nnodes=") else \
-            command[i + 1] if a == "--nnodes" and i + 1 < len(command) else None
-        if value is not None:
-            try:
-                n = max(int(x) for x in value.split(":"))
-            except ValueError:
-                n = None
-    for k in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
-        if n is None and env.get(k, "").isdigit():
-            n = int(env[k])
+    launcher = command[:next((i for i, a in enumerate(command) if a.endswith(".py")), len(command))]
+    values = [a.split("=", 1)[1] for a in launcher if a.startswith("--nnodes=")]
+    values += [b for a, b in pairwise(launcher) if a == "--nnodes"]
+    if values:
+        try:
+            n = max(int(x) for x in values[-1].split(":"))
+        except ValueError:
+            return None
+    else:
+        n = next((int(env[k]) for k in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES") if env.get(k, "").isdigit()), None)
     return n if n and n > 1 else None
 
 

@@ -20,7 +20,7 @@ from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest import jsonsafe
 from diagnose.probedata import _SIDE, as_number, read_json_sidecar, sane_world_size
 from diagnose.probes.safefs import SafeDir, UnsafePath, open_regular
-from diagnose.rundir import TRACES, attempts, last_attempt, newest_run
+from diagnose.rundir import TRACES, last_attempt, newest_run
 
 TAIL_BYTES = 256 * 1024
 CONTROL = "capture.json"  # the probes' side: probes/capture.py
@@ -37,22 +37,26 @@ def _has_live_files(d: Path) -> bool:
         return False
 
 
+def _live(d: Path) -> Path | None:
+    """D, or the current attempt of a job torchelastic may restart (rundir.last_attempt), when it
+    holds live probe files; None otherwise."""
+    d = last_attempt(d, _has_live_files)[0]
+    return d if _has_live_files(d) else None
+
+
 def probe_dir(run_dir: str | Path, note: Note | None = None) -> Path:
     """The probe directory of RUN_DIR: RUN_DIR/traces (as `diagnose run` lays it out) or RUN_DIR
     itself, holding live probe files; or, when RUN_DIR is the parent of timestamped run
     directories (`--out`), the newest of them that has probe files (`note` says which)."""
     run = Path(run_dir)
     for d in (run / TRACES, run):
-        if _has_live_files(d):
-            return d
-        attempt, _ = last_attempt(d, _has_live_files)  # a job torchelastic may restart: its current attempt
-        if attempt != d:
-            return attempt
-    newest = newest_run(run, lambda r: _has_live_files(r / TRACES) or bool(attempts(r / TRACES)))
+        if (live := _live(d)) is not None:
+            return live
+    newest = newest_run(run, lambda r: _live(r / TRACES) is not None)
     if newest is not None:
         if note is not None:
             note(f"diagnose: using the newest run in {one_line(str(run))}: {one_line(newest.name)}")
-        return probe_dir(newest)
+        return _live(newest / TRACES)
     if not run.exists():
         raise DiagnoseError("no such directory", run)
     raise DiagnoseError("no live probe files (rank*.steps.jsonl): was the job started with `diagnose run` "

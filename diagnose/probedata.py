@@ -378,6 +378,15 @@ def _schedule(value) -> dict | None:
     return out
 
 
+def has_records(d: Path) -> bool:
+    """D holds some rank's probe records (rank*.probe.json, rank*.steps.jsonl, ...); an unreadable
+    directory holds none we can use."""
+    try:
+        return any(_SIDE.match(f.name) for f in d.iterdir())
+    except OSError:
+        return False
+
+
 def read_meta(path: Path) -> dict:
     """Run metadata from a probe.json; raises ValueError naming the file."""
     body = read_json_sidecar(path)

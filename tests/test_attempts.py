@@ -122,10 +122,8 @@ def test_the_probe_writes_each_attempt_into_its_own_directory(tmp_path, monkeypa
         ([] if expected is None else [f"attempt{expected}"])
 
 
-def test_a_parent_of_runs_names_a_restarted_run(restarted):
+def test_a_parent_of_runs_names_a_restarted_run(tmp_path, restarted):
     """`diagnose analyze PARENT` (`--out`): a run whose traces are in attempts is still a run."""
-    parent = restarted.parent / "parent"
-    if not parent.exists():
-        shutil.copytree(restarted, parent / "20261207-010000")
+    shutil.copytree(restarted, tmp_path / "20261207-010000")
     with pytest.raises(DiagnoseError, match="holds 1 run directory"):
-        discover_traces([parent])
+        discover_traces([tmp_path])

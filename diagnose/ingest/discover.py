@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from diagnose.errors import DiagnoseError
-from diagnose.rundir import ATTEMPT
+from diagnose.rundir import ATTEMPT, last_attempt
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 # Our own outputs and sidecars live beside traces; they are not traces.
@@ -66,7 +66,7 @@ def _subdirs_with_traces(directory: Path) -> list[Path]:
 
 
 def _runs_with_traces(parent: Path) -> list[Path]:
-    from diagnose.rundir import TRACES, last_attempt, run_dirs
+    from diagnose.rundir import TRACES, run_dirs
 
     return [r for r in run_dirs(parent)
             if (r / TRACES).is_dir() and has_traces(last_attempt(r / TRACES, has_traces)[0])]
@@ -97,7 +97,7 @@ def discover_traces(paths: list[str | Path]) -> list[Path]:
             elif len(subdirs) > 1:
                 names = ", ".join(d.name for d in subdirs)
                 if all(ATTEMPT.match(d.name) for d in subdirs):  # probes/core.py: torchelastic restarts
-                    last = max(subdirs, key=lambda d: int(ATTEMPT.match(d.name).group(1)))
+                    last = last_attempt(p, has_traces)[0]
                     raise DiagnoseError(f"traces of {len(subdirs)} attempts of a job torchelastic restarted "
                                         f"({names}); pass one (the last: {last})", p)
                 raise DiagnoseError(
