@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from diagnose.step.changes import BLOCK
 from tests.conftest import EXAMPLE, ROOT, _free_port, run_dir
 
 pytestmark = pytest.mark.e2e
@@ -20,6 +21,11 @@ pytest.importorskip("torch")
 # host, under a 40 ms wait that stands for the device: 240 steps take about 20 s with the startup
 JOB = ("--steps", "240", "--hidden", "256", "--repeat", "2", "--batch-size", "64", "--device-ms", "40")
 FROM = 120
+# how near FROM a change must be found: the locator places it on the first step at the new level
+# within a block either side of its search (diagnose/step/changes.py), and a slow phase of a shared
+# host right before the fault is that new level to it (CI, 2026-12-07: the hog's change at step
+# 116, its four steps before it slow)
+NEAR = BLOCK
 
 
 def launch(out, *fault, schedule="off", job=JOB, env=None):
@@ -47,17 +53,18 @@ def test_one_rank_slowed_mid_run_is_the_top_finding(tmp_path):
     f = d["findings"][0]
     assert f["id"] == "fail_slow" and f["ranks"] == [1], [(x["id"], x["recoverable_ms"]) for x in d["findings"]]
     m = f["metrics"]
-    assert abs(m["change_step"] - FROM) <= 3 and m["cause_component"] == "compute_ms" and m["place"] == "rank 1"
+    assert abs(m["change_step"] - FROM) <= NEAR and m["cause_component"] == "compute_ms" and m["place"] == "rank 1"
     assert 15 < m["cause_delta_ms"] < 40 and f["recoverable_ms"] > 10, m
     out = changes(tmp_path)
-    assert re.search(r"from step 1[12]\d .*: rank 1, compute \+", out), out
+    m = re.search(r"from step (\d+) .*: rank 1, compute \+", out)
+    assert m and abs(int(m.group(1)) - FROM) <= NEAR, out
 
 
 def test_a_slower_input_pipeline_on_every_rank(tmp_path):
     launch(tmp_path, "--slow-from-step", str(FROM), "--slow-loader-ms", "0.3")
     out = changes(tmp_path)
     step = int(re.search(r"from step (\d+) .*: every rank, DataLoader wait \+", out).group(1))
-    assert abs(step - FROM) <= 3, out
+    assert abs(step - FROM) <= NEAR, out
     assert "shared infrastructure" in out and out.count("from step") == 1, out
 
 
@@ -80,7 +87,7 @@ def test_a_cpu_hog_on_one_ranks_core_is_found_and_the_cpu_load_moved_with_it(tmp
            env={"DIAGNOSE_TELEMETRY_S": "0.5"})
     out = changes(tmp_path)
     m = re.search(r"from step (\d+) .*: rank 1, compute \+.*; with it: (.*)", out)
-    assert m and abs(int(m.group(1)) - FROM) <= 3, out
+    assert m and abs(int(m.group(1)) - FROM) <= NEAR, out
     assert "rank 1" in m.group(2) and "CPU busy" in m.group(2), out
 
 
@@ -99,7 +106,7 @@ def test_capture_on_change_profiles_the_steps_after_the_slowdown(tmp_path):
                              cwd=ROOT)
         assert res.returncode == 0, res.stderr[-3000:]
         m = re.search(r"change: from step (\d+) .*: rank 1, compute \+", res.stderr)
-        assert m and abs(int(m.group(1)) - FROM) <= 3, res.stderr
+        assert m and abs(int(m.group(1)) - FROM) <= NEAR, res.stderr
         cap = next((run_dir(tmp_path) / "traces").glob("capture-*"))
         s0, s1 = (profiler_steps(cap / f"rank{r}.pt.trace.json.gz") for r in (0, 1))
         assert s0 == s1 and len(s0) == 4 and min(s0) > FROM + 20, s0
