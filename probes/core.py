@@ -39,6 +39,7 @@ from pathlib import Path
 
 from .device_steps import DeviceSteps, capturing
 from .inflight import InFlight
+from .optimizers import StepMarker
 from .safefs import SafeDir
 
 log = logging.getLogger("diagnose.probes")
@@ -191,6 +192,7 @@ class Probe:
         self.max_log_bytes = _env_mb("DIAGNOSE_PROBE_MAX_LOG_MB", 64)
         self.meta: dict = {}
         self._summary = {"steps": 0, "dataloader_ms": 0.0, "comm_ms": 0.0, "step_ms": 0.0}
+        self.optimizers = StepMarker()  # which optimizer.step() ends a step (`diagnose run`'s hooks)
 
     # ---- safety -------------------------------------------------------------------
     def _fail(self, part: str, exc: BaseException) -> None:

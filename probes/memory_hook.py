@@ -59,16 +59,18 @@ def install(probe: Probe):
         return None
     import torch
 
-    seen: set[int] = set()
+    seen: set[int] = set()  # optimizers' numbers (probes/optimizers.py): ids are reused once one is freed
     cuda = torch.cuda.is_available()  # once: the per-step hook must cost nothing on CPU
 
     def after_step(opt, args, kwargs):
-        if id(opt) in seen or len(seen) >= MAX_OPTIMIZERS:
-            return
-        seen.add(id(opt))
         try:
+            n = probe.optimizers.number(opt)
+            if n in seen or len(seen) >= MAX_OPTIMIZERS:
+                return
+            seen.add(n)
             facts = optimizer_tensors(opt)
             facts["measured_at_step"] = probe.step
+            facts["number"] = n
             probe.meta.setdefault("memory_tensors", []).append(facts)
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
             probe._fail("memory tensors", exc)

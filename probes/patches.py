@@ -166,24 +166,36 @@ def _loader_meta(loader) -> dict:
 def _optimizer(probe: Probe):
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    seen: set[int] = set()
+    from .memory_hook import MAX_OPTIMIZERS
 
     def hook(opt, args, kwargs):
         try:
-            if id(opt) not in seen:
-                seen.add(id(opt))
+            marks = probe.optimizers
+            first = not marks.known(opt)
+            n = marks.number(opt)
+            if first and len(probe.meta.get("optimizers") or ()) < MAX_OPTIMIZERS:
                 from .meta import optimizer_facts
 
-                probe.meta.setdefault("optimizers", []).append(optimizer_facts(opt))
-            if len(seen) > 1 and id(opt) != next(iter(seen)):
-                return  # several optimizers: the first one marks the step
-            probe.start_profiler()
-            probe.on_step()
+                probe.meta.setdefault("optimizers", []).append({**optimizer_facts(opt), "number": n})
+            ends_step, retired = marks.on_step(opt)
+            if retired is not None:
+                retire_optimizer(probe.meta, retired, probe.step)
+            if ends_step:
+                probe.start_profiler()
+                probe.on_step()
         except Exception as exc:  # noqa: BLE001
             probe._fail("step hook", exc)
 
     handle = register_optimizer_step_post_hook(hook)
     return handle.remove
+
+
+def retire_optimizer(meta: dict, number: int, step: int) -> None:
+    """Mark the facts recorded of optimizer `number` as no longer the job's (probes/optimizers.py)."""
+    for key in ("optimizers", "memory_tensors"):
+        for facts in meta.get(key) or ():
+            if isinstance(facts, dict) and facts.get("number") == number:
+                facts.setdefault("retired_at_step", step)
 
 
 def _collectives(probe: Probe):

@@ -78,9 +78,12 @@ class RankMemory:
 
 
 def _rank_memory(rank: int, meta: dict) -> RankMemory | None:
-    opts = [o for o in meta.get("optimizers") or [] if isinstance(o, dict) and o.get("params")]
+    # an optimizer the job replaced part way is no longer its memory (probes/optimizers.py)
+    opts = [o for o in meta.get("optimizers") or [] if isinstance(o, dict) and o.get("params")
+            and "retired_at_step" not in o]
     model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
-    measured = [m for m in meta.get("memory_tensors") or [] if isinstance(m, dict) and m.get("params")]
+    measured = [m for m in meta.get("memory_tensors") or [] if isinstance(m, dict) and m.get("params")
+                and "retired_at_step" not in m]
     params = sum(int(o["params"]) for o in opts) or int(model.get("params") or 0)
     if not params and measured:
         params = sum(int(m["params"]) for m in measured)
