@@ -60,7 +60,7 @@ def run_facts(run: Run, ctx: Context) -> RunFacts:
 
 def _metadata(ctx: Context) -> dict:
     """Run configuration from the probes' sidecars (empty for bare traces)."""
-    out = {k: ctx.probe_meta(k) for k in ("dataloader", "model", "memory", "env")}
+    out = {k: ctx.probe_meta(k) for k in ("dataloader", "dataloader_no_grad", "model", "memory", "env")}
     for r in sorted(ctx.probes):
         m = ctx.probes[r].meta
         for k in ("torch", "device_name", "nccl", "cuda", "host", "cpu_count"):

@@ -42,6 +42,10 @@ A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --
                             device: on a GPU the device, not the host's busy CPU, sets the step (on a
                             shared 2-core machine a CPU-only step drifts by more than 20% for minutes)
 
+An evaluation inside the training loop: `--eval-every N` runs one after every N-th step over
+`--eval-batches B` batches of its own DataLoader under torch.no_grad(); `--eval-getitem-ms MS` makes
+that loader slow (its Dataset's __getitem__ sleeps), the training loader unchanged.
+
 Launching: torchrun (above), or `python examples/train_ddp.py --spawn 2`: torch.multiprocessing.spawn
 starts the ranks itself and no RANK is set in their environment (as with mp.spawn, srun or mpirun
 scripts that pass the rank to init_process_group).
@@ -64,6 +68,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+
+def evaluate(model, loader) -> None:
+    """A validation pass inside the training loop, as many scripts run one every N steps: its own
+    DataLoader, iterated with autograd off."""
+    model.eval()
+    with torch.no_grad():
+        for x, _ in loader:
+            model(x)
+    model.train()
 
 
 class SyntheticDataset(Dataset):
@@ -163,6 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-hog", action="store_true", help="from --slow-from-step a CPU hog shares the rank's core")
     p.add_argument("--pin-cores", action="store_true", help="pin each rank to core rank %% cores")
     p.add_argument("--device-ms", type=float, default=0.0, help="every rank waits this long per step (device time)")
+    p.add_argument("--eval-every", type=int, default=0, help="an evaluation after every N-th step (0: none)")
+    p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation")
+    p.add_argument("--eval-getitem-ms", type=float, default=0.0, help="the evaluation Dataset's __getitem__ sleeps")
     p.add_argument("--spawn", type=int, default=0,
                    help="start this many ranks with torch.multiprocessing.spawn (no RANK in their environment)")
     args = p.parse_args(argv)
@@ -299,6 +316,11 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         drop_last=True,
     )
 
+    eval_loader = None
+    if args.eval_every:
+        eval_loader = DataLoader(SyntheticDataset(args.batch_size * args.eval_batches, args.dim, args.eval_getitem_ms),
+                                 batch_size=args.batch_size)
+
     prof = None
     if args.trace_dir:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -365,6 +387,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
             _busy(args.slow_compute_ms)
         opt.step()
         step += 1
+        if args.eval_every and step % args.eval_every == 0:
+            evaluate(model, eval_loader)
         if prof is not None:
             prof.step()
         now = time.perf_counter()

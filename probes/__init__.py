@@ -39,13 +39,10 @@ class Watch:
         self.probe = probe
 
     def loader(self, iterable):
-        from .patches import _TimedIter
+        from .patches import timed_loader
 
         try:
-            from .meta import loader_facts
-
-            self.probe.meta.setdefault("dataloader", {}).update(loader_facts(iterable))
-            return _TimedIter(iter(iterable), self.probe)
+            return timed_loader(self.probe, iterable, iter(iterable))
         except Exception as exc:  # noqa: BLE001
             self.probe._fail("dataloader timing", exc)
             return iter(iterable)

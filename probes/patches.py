@@ -51,12 +51,38 @@ def _group_name(kwargs) -> str:
         return "group"
 
 
-class _TimedIter:
-    """Iterator proxy timing each next(); everything else passes through."""
+NO_GRAD_BATCH = "diagnose: batch fetched with autograd off"
+"""The probes' trace annotation around each fetch of a DataLoader iterated with autograd off (an
+evaluation loop inside the training steps): the dataloader check tells that wait from the training
+batches' (both are time the step loses, and their fixes are different loaders)."""
 
-    def __init__(self, it, probe: Probe) -> None:
+
+def timed_loader(probe: Probe, loader, it):
+    """`it`, loader's iterator, timed; the loader's settings recorded as the training loader's,
+    or, iterated with autograd off, as the evaluation's (`dataloader_no_grad`)."""
+    import torch
+
+    from .meta import loader_facts
+
+    if torch.is_grad_enabled():
+        probe.meta.setdefault("dataloader", {}).update(loader_facts(loader))
+        return _TimedIter(it, probe)
+    probe.meta.setdefault("dataloader_no_grad", {}).update(loader_facts(loader))
+    return _TimedIter(it, probe, mark=NO_GRAD_BATCH)
+
+
+class _TimedIter:
+    """Iterator proxy timing each next(); everything else passes through. With `mark`, each next()
+    runs inside a profiler annotation of that name (nothing is recorded while no profiler runs)."""
+
+    def __init__(self, it, probe: Probe, mark: str | None = None) -> None:
         self._it = it
         self._probe = probe
+        self._mark = mark
+        if mark is not None:
+            from torch.autograd.profiler import record_function
+
+            self._span = record_function
 
     def __iter__(self):
         return self
@@ -64,7 +90,10 @@ class _TimedIter:
     def __next__(self):
         t = time.perf_counter()
         try:
-            return next(self._it)
+            if self._mark is None:
+                return next(self._it)
+            with self._span(self._mark):
+                return next(self._it)
         finally:
             self._probe.on_data_wait(time.perf_counter() - t)
 
@@ -146,8 +175,7 @@ def _dataloader(probe: Probe):
     def __iter__(self):
         it = orig(self)
         try:
-            probe.meta.setdefault("dataloader", {}).update(_loader_meta(self))
-            return _TimedIter(it, probe)
+            return timed_loader(probe, self, it)
         except Exception as exc:  # noqa: BLE001
             probe._fail("dataloader timing", exc)
             return it
@@ -155,12 +183,6 @@ def _dataloader(probe: Probe):
     setattr(__iter__, _MARK, True)
     DataLoader.__iter__ = __iter__
     return lambda: setattr(DataLoader, "__iter__", orig)
-
-
-def _loader_meta(loader) -> dict:
-    from .meta import loader_facts
-
-    return loader_facts(loader)
 
 
 def _optimizer(probe: Probe):

@@ -21,16 +21,21 @@ from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurab
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
+from diagnose.probes.patches import NO_GRAD_BATCH
 from diagnose.step.cover import column
-from diagnose.step.intervals import covered
+from diagnose.step.intervals import covered, intersect, union
 from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _names_matching
 from diagnose.thresholds import Thresholds
 
 TITLE = "Dataloader starvation"
+TITLE_EVAL = "Dataloader starvation: an evaluation's batches inside the training steps"
 TITLE_STALL = "Input stall outside the DataLoader (blocking host-to-device copies)"
 FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=True, "
        "prefetch_factor=2..4, persistent_workers=True); move decoding/augmentation off the "
        "training process or cache preprocessed samples.")
+EVAL_NAMED = 0.25
+"""From this share of the worst rank's DataLoader wait in batches fetched with autograd off, the
+finding says so (and from half, leads its fix with the evaluation's loader)."""
 FIX_STALL = ("Copy inputs asynchronously: pin_memory=True in the DataLoader and "
              "tensor.to(device, non_blocking=True); avoid pageable host tensors in the step.")
 
@@ -43,6 +48,10 @@ class RankInput:
     h2d_exposed_ms: float
     """Mean per-step time a pageable host-to-device copy runs with no kernel alongside (0 without)."""
     h2d_rows: tuple[int, ...]
+    wait_ms: float = 0.0
+    """Mean per-step time in DataLoader fetches (hidden or not)."""
+    no_grad_wait_ms: float = 0.0
+    """... of it in fetches the probes marked as made with autograd off (an evaluation's loader)."""
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -57,7 +66,14 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
     if len(cp) and len(tl.steps):
         exposed_ms = float(np.mean(covered(tl.input_copies, tl.steps.start, tl.steps.end))) / 1000
         h2d_rows = tuple(int(i) for i in cp.nlargest(2, "dur").index)
-    return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows)
+    wait_ms = no_grad_ms = 0.0
+    marks = ev[(ev["name"] == NO_GRAD_BATCH).to_numpy()]
+    if len(marks) and len(tl.steps):
+        wait_ms = float(np.mean(covered(tl.dataloader, tl.steps.start, tl.steps.end))) / 1000
+        no_grad = intersect(tl.dataloader, union(marks["ts"], marks["ts"] + marks["dur"]))
+        no_grad_ms = float(np.mean(covered(no_grad, tl.steps.start, tl.steps.end))) / 1000
+    return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows,
+                     wait_ms=wait_ms, no_grad_wait_ms=no_grad_ms)
 
 
 def _dataloader(ctx: Context, th: Thresholds) -> Check:
@@ -96,20 +112,40 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
     if run.is_gpu:
         # only the part of the wait the device also idles is lost: queued kernels run meanwhile
         metrics["device_idle_share_of_wait"] = round(ms / blocked_ms, 3) if blocked_ms else 0.0
-    cfg = ctx.probe_meta("dataloader")
+    cfg, eval_cfg = ctx.probe_meta("dataloader"), ctx.probe_meta("dataloader_no_grad")
     fix = FIX
     if cfg:
-        shown = ", ".join(f"{k}={cfg[k]}" for k in ("batch_size", "num_workers", "pin_memory", "prefetch_factor",
-                                                      "persistent_workers") if k in cfg)
-        fix = f"{FIX} This run: DataLoader({shown})."
+        fix = f"{FIX} This run: {_loader(cfg)}."
+    # an evaluation inside the profiled steps: its batches' wait is time the step loses too, but
+    # the loader to feed faster (or the evaluation to run less often) is another one
+    mine = facts[worst]
+    eval_share = mine.no_grad_wait_ms / mine.wait_ms if mine.wait_ms > 0 else 0.0
+    eval_note = ""
+    if eval_share >= EVAL_NAMED:
+        metrics["no_grad_share_of_wait"] = round(eval_share, 4)
+        metrics["no_grad_dataloader_ms"] = round(ms * eval_share, 3)
+        eval_note = (f"; {eval_share:.0%} of that wait is batches fetched with autograd off (an evaluation "
+                     "inside the profiled steps)")
+        evaluation = (f"Of the wait, {eval_share:.0%} is an evaluation's batches (a DataLoader iterated "
+                      "with autograd off inside the training steps): give that loader workers, evaluate less "
+                      "often or on fewer batches, or run the evaluation elsewhere"
+                      + (f" (this run's evaluation loader: {_loader(eval_cfg)})" if eval_cfg else "") + ".")
+        # mostly the evaluation's: the training loader's settings are beside the point
+        fix = f"{evaluation} {FIX}" if eval_share >= 0.5 else f"{fix} {evaluation}"
     f = Finding(
-        id="dataloader_starvation", title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3),
+        id="dataloader_starvation", title=TITLE_EVAL if eval_share >= 0.5 else TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3),
         share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=tuple(refs), fix=fix,
         confidence=confidence_for(ctx), method="Mean per-step DataLoader wait not hidden under device work "
         "(GPU) or blocking the training thread (CPU), on the worst rank.")
     level = "highly input-bound" if share >= th.input_bound_high else "input-bound"
     return flag_or_pass(f, th.input_bound, th, f"{level}: rank {worst} waits {ms:.1f} ms per step "
-                        f"({share:.0%}) for the next batch", ctx)
+                        f"({share:.0%}) for the next batch{eval_note}", ctx)
+
+
+def _loader(cfg: dict) -> str:
+    shown = ", ".join(f"{k}={cfg[k]}" for k in ("batch_size", "num_workers", "pin_memory", "prefetch_factor",
+                                                  "persistent_workers") if k in cfg)
+    return f"DataLoader({shown})"
 
 
 def _input_stall(ctx: Context, th: Thresholds) -> Check:

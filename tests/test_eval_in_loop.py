@@ -1,0 +1,109 @@
+"""An evaluation inside the training loop: its DataLoader's wait is told from the training batches'.
+
+A script that validates every N steps iterates a second DataLoader under torch.no_grad() inside
+the training steps. Until 2026-12-07 that wait read as the training loader's starvation, with the
+training loader's settings in the fix (and whichever loader was iterated last recorded as "the"
+DataLoader). The probes now mark each fetch made with autograd off (patches.NO_GRAD_BATCH) and
+record that loader's settings apart; the dataloader check says what share of the wait is the
+evaluation's and names its loader.
+
+tests/fixtures/cpu_eval_in_loop_2rank (README there): the evaluation's loader sleeps 1 ms a sample,
+the training loader none."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from diagnose.analyzers.dataloader import TITLE, TITLE_EVAL
+from diagnose.pipeline import diagnose_paths
+from diagnose.probes.patches import NO_GRAD_BATCH
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EVAL = FIXTURES / "cpu_eval_in_loop_2rank"
+DATALOADER = "enumerate(DataLoader)#"
+
+
+def _finding(d, check_id="dataloader_starvation"):
+    return next(f for f in d.findings if f.id == check_id)
+
+
+def _raw_per_step(trace: Path) -> list[tuple[float, float]]:
+    """(all DataLoader wait, the part inside the probes' autograd-off marks) per ProfilerStep, ms,
+    from the raw events: every fetch of this single-threaded loader is one span on the main thread."""
+    ev = [e for e in json.load(gzip.open(trace))["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"].startswith("ProfilerStep#"))
+    marks = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"] == NO_GRAD_BATCH]
+    fetches = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"].startswith(DATALOADER)]
+    out = []
+    for s0, s1 in steps:
+        mine = [(a, b) for a, b in fetches if s0 <= a and b <= s1]
+        inside = [(a, b) for a, b in mine if any(m0 <= a and b <= m1 for m0, m1 in marks)]
+        out.append((sum(b - a for a, b in mine) / 1000, sum(b - a for a, b in inside) / 1000))
+    return out
+
+
+def test_the_evaluations_wait_is_named_with_its_loader():
+    d = diagnose_paths([EVAL])
+    f = _finding(d)
+    assert d.findings[0].id == "dataloader_starvation" and f.title == TITLE_EVAL
+    m = f.metrics
+    worst = m["worst_rank"]
+    per_step = _raw_per_step(next(EVAL.glob(f"rank{worst}.*.pt.trace.json.gz")))
+    # the share against the raw events, over the steps the analysis kept (a window of them)
+    n = d.run.steps_analysed
+    windows = [per_step[i:i + n] for i in range(len(per_step) - n + 1)]
+    shares = [sum(x for _, x in w) / sum(t for t, _ in w) for w in windows]
+    assert any(abs(s - m["no_grad_share_of_wait"]) < 5e-4 for s in shares), (shares, m)  # rounded to 4 places
+    assert m["no_grad_dataloader_ms"] == pytest.approx(m["dataloader_ms_per_step"] * m["no_grad_share_of_wait"],
+                                                       rel=1e-3)
+    # 4 batches of 32 samples at 1 ms each, every other step: at least 51 ms a step on any window
+    assert m["no_grad_dataloader_ms"] > 4 * 32 * 1.0 * 2 / 5
+    # the fix leads with the evaluation and names its loader (not drop_last: the training one's is True)
+    assert f.fix.startswith("Of the wait, ") and "this run's evaluation loader: DataLoader(batch_size=32" in f.fix
+    assert "This run: DataLoader(" not in f.fix
+    check = next(c for c in d.checks if c.id == "dataloader_starvation")
+    assert "batches fetched with autograd off" in check.reason
+
+
+@pytest.mark.parametrize("fixture", ["cpu_straggler_dataloader_2rank", "gpu_h200/dataloader"])
+def test_a_training_loader_that_starves_the_step_is_not_called_an_evaluation(fixture):
+    d = diagnose_paths([FIXTURES / fixture])
+    f = _finding(d)
+    assert f.title == TITLE and "no_grad_share_of_wait" not in f.metrics and "evaluation" not in f.fix
+    if d.run.metadata.get("dataloader"):  # recorded under the probes: the training loader's settings
+        assert "This run: DataLoader(" in f.fix
+
+
+def test_the_run_facts_keep_each_loader_apart():
+    d = diagnose_paths([EVAL])
+    meta = d.run.metadata
+    assert meta["dataloader"]["drop_last"] is True and meta["dataloader_no_grad"]["drop_last"] is False
+
+
+torch = pytest.importorskip("torch")
+
+
+def test_the_probe_marks_fetches_made_with_autograd_off(tmp_path):
+    """In process: the hook `diagnose run` installs, a real profiler, two real loaders."""
+    from torch.utils.data import DataLoader
+
+    from diagnose.probes import patches
+    from diagnose.probes.core import Probe, Schedule
+
+    probe = Probe(tmp_path / "probe", rank=0, world_size=1, schedule=Schedule.parse("off"), strict_dir=False)
+    undo = patches._dataloader(probe)
+    try:
+        train = DataLoader(list(range(8)), batch_size=4, drop_last=True)
+        val = DataLoader(list(range(6)), batch_size=3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            assert len(list(train)) == 2
+            with torch.no_grad():
+                assert len(list(val)) == 2
+    finally:
+        undo()
+    names = [e.name for e in prof.events()]
+    assert names.count(NO_GRAD_BATCH) == 3  # two batches and the fetch that ends the loop
+    assert probe.meta["dataloader"]["batch_size"] == 4 and probe.meta["dataloader_no_grad"]["batch_size"] == 3
