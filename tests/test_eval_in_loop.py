@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 
 import pytest
+from diagnose.probes.patches import NO_GRAD_BATCH
 
 from diagnose.analyzers.dataloader import TITLE, TITLE_EVAL
 from diagnose.pipeline import diagnose_paths
-from diagnose.probes.patches import NO_GRAD_BATCH
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EVAL = FIXTURES / "cpu_eval_in_loop_2rank"
@@ -33,7 +33,8 @@ def _finding(d, check_id="dataloader_starvation"):
 def _raw_per_step(trace: Path) -> list[tuple[float, float]]:
     """(all DataLoader wait, the part inside the probes' autograd-off marks) per ProfilerStep, ms,
     from the raw events: every fetch of this single-threaded loader is one span on the main thread."""
-    ev = [e for e in json.load(gzip.open(trace))["traceEvents"] if e.get("ph") == "X"]
+    with gzip.open(trace) as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"].startswith("ProfilerStep#"))
     marks = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"] == NO_GRAD_BATCH]
     fetches = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"].startswith(DATALOADER)]
@@ -88,10 +89,9 @@ torch = pytest.importorskip("torch")
 
 def test_the_probe_marks_fetches_made_with_autograd_off(tmp_path):
     """In process: the hook `diagnose run` installs, a real profiler, two real loaders."""
-    from torch.utils.data import DataLoader
-
     from diagnose.probes import patches
     from diagnose.probes.core import Probe, Schedule
+    from torch.utils.data import DataLoader
 
     probe = Probe(tmp_path / "probe", rank=0, world_size=1, schedule=Schedule.parse("off"), strict_dir=False)
     undo = patches._dataloader(probe)
