@@ -20,6 +20,7 @@ from diagnose.step.link import LinkSpec
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.units import rank_ranges
 from diagnose.whatif import StepModel, annotate
+from diagnose.window import window_against_run
 
 _ORDER = {cid: i for i, cid in enumerate(CHECK_ORDER)}
 """A check's place in the checklist's order (CHECK_ORDER)."""
@@ -101,6 +102,11 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     # (#20), the replays on top of what the extras keep for the report had they gone first. The
     # extras see the findings as the checks gave them, as the report's choice of ranks always has.
     extras = report_extras(ctx, checks, findings, th, link)
+    window = window_against_run(run.traces, probes or {})
+    if window is not None:
+        extras["window"] = window.as_dict()
+        if window.unlike:
+            warnings.append(window.text())
     facts, table = run_facts(run, ctx), ctx.table
     del ctx, model
     give_back_freed()

@@ -36,12 +36,24 @@ def _headline(d: dict) -> str:
     if top:
         return (f'<p class="headline"><span class="kicker">Top cause</span> <strong>{esc(top.get("title"))}</strong>: '
                 f'about {fmt_ms(top.get("recoverable_ms"), 1)} per step recoverable '
-                f'({fmt_share(top.get("share_of_step"))} of the step), on {_where(top, d)}.</p>')
+                f'({fmt_share(top.get("share_of_step"))} of the step), on {_where(top, d)}.</p>' + _window(d))
     checks = _list(d.get("checks"))
     counts = {s: sum(1 for c in checks if _dict(c).get("status") == s) for s in STATUS_LABEL}
     return (f'<p class="headline"><strong>No significant cause found.</strong> '
             f'{counts["passed"]} check(s) passed, {counts["not_measurable"]} could not be measured; '
             f'the step breakdown below shows where the time goes.</p>')
+
+
+def _window(d: dict) -> str:
+    """The caution beside the verdict when the profiled steps were not the run's usual ones
+    (extras.window, diagnose/window.py)."""
+    w = _dict(_dict(d.get("extras")).get("window"))
+    steps, ratio = _list(w.get("window_steps")), num(w.get("ratio"))
+    if w.get("unlike") is not True or len(steps) != 2 or ratio is None:
+        return ""
+    return (f'<p class="warn">Caution: the profiled steps {esc(steps[0])}–{esc(steps[1])} averaged '
+            f'{fmt_ms(w.get("window_step_ms"), 1)}, {ratio:.2f}x the run\'s {fmt_ms(w.get("run_step_ms"), 1)} over '
+            f'{esc(w.get("run_steps"))} other recorded steps: these figures may not be the run\'s.</p>')
 
 
 def _run_facts(run: dict, extras: dict | None = None) -> Iterator[str]:

@@ -33,7 +33,8 @@ SETS = ["kineto_resnet50_dataloader_v100/nw0", "kineto_resnet50_dataloader_v100/
 RECORDED = ["cpu_straggler_2rank", "cpu_straggler_dataloader_2rank", "cpu_checkpoint_2rank", "cpu_pipeline_2rank",
             "cpu_pipelining_2rank", "cpu_lightning_straggler_2rank", "cpu_fsdp2_straggler_2rank",
             "cpu_accum_nosync_2rank", "cpu_accum_2rank", "cpu_interleaved_2rank", "cpu_reduce_fp32_2rank",
-            "cpu_reduce_bf16_2rank", "cpu_huge_bucket_2rank", "cpu_tiny_buckets_2rank"] + [f"gpu_h200/{d.name}" for d in sorted((FIXTURES / "gpu_h200").iterdir()) if d.is_dir()]
+            "cpu_reduce_bf16_2rank", "cpu_huge_bucket_2rank", "cpu_tiny_buckets_2rank", "cpu_eval_in_loop_2rank",
+            "cpu_window_unlike_run_2rank"] + [f"gpu_h200/{d.name}" for d in sorted((FIXTURES / "gpu_h200").iterdir()) if d.is_dir()]
 
 
 def _round(x):
@@ -54,7 +55,9 @@ def claims(d) -> dict:
     return _round({"verdict": body.get("verdict"), "findings": body["findings"], "checks": body["checks"],
                    "warnings": body["warnings"], "steps_analysed": body["run"]["steps_analysed"],
                    "replay": {k: v for k, v in (body["extras"].get("replay") or {}).items()
-                              if k != "critical_path"}})
+                              if k != "critical_path"},
+                   # the profiled window against the run (diagnose/window.py), where the probes timed both
+                   **({"window": w} if (w := body["extras"].get("window")) else {})})
 
 
 def first_difference(a, b, path="$") -> str | None:

@@ -28,7 +28,7 @@ from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _name
 from diagnose.thresholds import Thresholds
 
 TITLE = "Dataloader starvation"
-TITLE_EVAL = "Dataloader starvation: an evaluation's batches inside the training steps"
+TITLE_EVAL = "Dataloader starvation (an evaluation's batches, inside the training steps)"
 TITLE_STALL = "Input stall outside the DataLoader (blocking host-to-device copies)"
 FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=True, "
        "prefetch_factor=2..4, persistent_workers=True); move decoding/augmentation off the "
