@@ -53,6 +53,10 @@ def assert_probed_like_a_plain_loop(d: dict, records: dict, stdout: str, collect
         names = {c[0] for s in steps[1:] for c in s["collectives"]}
         assert any(collective in n for n in names), (r, names)
     assert d["run"]["ranks_found"] == [0, 1] and d["run"]["steps_analysed"] >= 4
+    # the framework's training loader is iterated with autograd on: recorded as the training one,
+    # its fetches never marked as an evaluation's (patches.timed_loader)
+    meta = d["run"]["metadata"]
+    assert meta.get("dataloader") and "dataloader_no_grad" not in meta, meta
     checks = {c["id"]: c for c in d["checks"]}
     assert checks["dataloader_starvation"]["status"] != "not_measurable"
     kinds = {g["kind"] for g in d["extras"]["comm_groups"]["groups"]}
