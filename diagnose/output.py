@@ -155,7 +155,7 @@ def write_json(d: Diagnosis, out_dir: Path) -> Path:
 
 
 def _window_caution(w: dict) -> str:
-    """extras.window in a line (diagnose/window.py): the profiled steps were not the run's usual ones."""
+    """extras.window in a line (diagnose/step/window.py): the profiled steps were not the run's usual ones."""
     a, b = w["window_steps"]
     return (f"the profiled steps ({a}-{b}) averaged {w['window_step_ms']:.1f} ms, {w['ratio']:.2f}x the run's "
             f"{w['run_step_ms']:.1f} ms over {w['run_steps']} other steps: these figures may not be the run's")

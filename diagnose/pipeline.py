@@ -20,7 +20,7 @@ from diagnose.step.link import LinkSpec
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.units import rank_ranges
 from diagnose.whatif import StepModel, annotate
-from diagnose.window import window_against_run
+from diagnose.step.window import window_against_run
 
 _ORDER = {cid: i for i, cid in enumerate(CHECK_ORDER)}
 """A check's place in the checklist's order (CHECK_ORDER)."""

@@ -46,7 +46,7 @@ def _headline(d: dict) -> str:
 
 def _window(d: dict) -> str:
     """The caution beside the verdict when the profiled steps were not the run's usual ones
-    (extras.window, diagnose/window.py)."""
+    (extras.window, diagnose/step/window.py)."""
     w = _dict(_dict(d.get("extras")).get("window"))
     steps, ratio = _list(w.get("window_steps")), num(w.get("ratio"))
     if w.get("unlike") is not True or len(steps) != 2 or ratio is None:

@@ -56,7 +56,7 @@ def claims(d) -> dict:
                    "warnings": body["warnings"], "steps_analysed": body["run"]["steps_analysed"],
                    "replay": {k: v for k, v in (body["extras"].get("replay") or {}).items()
                               if k != "critical_path"},
-                   # the profiled window against the run (diagnose/window.py), where the probes timed both
+                   # the profiled window against the run (diagnose/step/window.py), where the probes timed both
                    **({"window": w} if (w := body["extras"].get("window")) else {})})
 
 

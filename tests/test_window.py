@@ -1,4 +1,4 @@
-"""The profiled window set against the run (diagnose/window.py).
+"""The profiled window set against the run (diagnose/step/window.py).
 
 Every figure of the checks is a mean over the few profiled steps. A window that caught the run's
 one evaluation (tests/fixtures/cpu_window_unlike_run_2rank: steps 47-51, the evaluation after step
@@ -15,7 +15,7 @@ import pytest
 
 from diagnose.output import diagnosis_dict, terminal_summary
 from diagnose.pipeline import diagnose_paths
-from diagnose.window import WINDOW_UNLIKE_RUN
+from diagnose.step.window import WINDOW_UNLIKE_RUN
 from reports.html import render
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -16,6 +16,8 @@
   breakdown), not every rank's arrays held until joined.
 - `changes`: the run over time: change points in every rank's step components, from the probes'
   every-step record (no trace needed), read together as events (when, where, what moved).
+- `window`: the profiled window set against the rest of the run from the same record: whether the
+  steps every check reads are the run's usual ones.
 
 Commands (`diff`, `scaling`, `oncall`, ...) and the checklist (`analyzers/`) are built on
 these; nothing here imports them.
