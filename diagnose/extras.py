@@ -28,7 +28,8 @@ def report_extras(ctx: Context, checks: list[Check], findings: list[Finding], th
     shown = shown_ranks(ctx, findings)
     return {"lateness": _lateness_extra(ctx), "timeline": _timeline_extra(ctx, shown),
             "top_ops": _top_ops_extra(ctx, shown), "comm_groups": comm,
-            "compiled": _compiled_extra(ctx), "over_time": _over_time_extra(ctx, checks)}
+            "compiled": _compiled_extra(ctx), "evaluation": _evaluation_extra(ctx),
+            "over_time": _over_time_extra(ctx, checks)}
 
 
 MAX_TIMELINE_RANKS = 16
@@ -233,6 +234,19 @@ def _compiled_extra(ctx: Context) -> dict:
     return {"host_share": round(share, 4),
             "definition": "median over ranks of the host's busy time in the steps inside `Torch-Compiled Region` "
                           "and `CompiledFunctionBackward` spans"}
+
+
+def _evaluation_extra(ctx: Context) -> dict:
+    """An evaluation loop inside the profiled steps, where the probes marked its fetches ({} if none)."""
+    facts = ctx.facts("dataloader")
+    per_rank = [f.evaluation_ms for f in facts.values() if f.evaluation_ms > 0]
+    if not per_rank:
+        return {}
+    ms = float(np.median(per_rank))
+    return {"ms_per_step": round(ms, 3), "share_of_step": round(ms / ctx.mean_step_ms, 4), "ranks": len(per_rank),
+            "definition": "median over the ranks with one of the mean per step of the time from a step's first "
+                          "DataLoader fetch made with autograd off to the end of its last (the fetch that ends the "
+                          "loop included): the evaluation's loop, its batches' wait and forward passes"}
 
 
 MAX_LATENESS_COLUMNS = 200

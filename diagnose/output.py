@@ -196,6 +196,11 @@ def terminal_summary(d: Diagnosis) -> str:
     compiled = (d.extras.get("compiled") or {}).get("host_share")
     if compiled is not None:
         lines.append(f"torch.compile: {compiled:.0%} of the host's time in the steps runs inside compiled code")
+    evaluation = d.extras.get("evaluation") or {}
+    if evaluation.get("ms_per_step"):
+        lines.append(f"evaluation: {evaluation['ms_per_step']:.1f} ms per step ({evaluation['share_of_step']:.0%}) "
+                     "of the profiled steps is a loop over a DataLoader with autograd off (its batches and forward "
+                     "passes): an evaluation inside the training steps")
     if d.findings:
         lines.append("")
         lines.append("ranked causes:")

@@ -76,6 +76,11 @@ def _run_facts(run: dict, extras: dict | None = None) -> Iterator[str]:
     compiled = num(_dict(_dict(extras).get("compiled")).get("host_share"))
     if compiled is not None:
         facts.append(("torch.compile", f"{fmt_share(compiled)} <span class=muted>of host time in compiled code</span>"))
+    evaluation = _dict(_dict(extras).get("evaluation"))
+    if num(evaluation.get("ms_per_step")):
+        facts.append(("Evaluation in the steps", f"{fmt_ms(evaluation.get('ms_per_step'), 1)} per step "
+                      f"<span class=muted>({fmt_share(evaluation.get('share_of_step'))}: a loop with autograd "
+                      "off)</span>"))
     items = "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in facts)
     yield f'<dl class="facts">{items}</dl>'
     if means:

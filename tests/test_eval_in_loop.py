@@ -19,6 +19,7 @@ import pytest
 from diagnose.probes.patches import NO_GRAD_BATCH
 
 from diagnose.analyzers.dataloader import TITLE, TITLE_EVAL
+from diagnose.output import terminal_summary
 from diagnose.pipeline import diagnose_paths
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -76,6 +77,37 @@ def test_a_training_loader_that_starves_the_step_is_not_called_an_evaluation(fix
     assert f.title == TITLE and "no_grad_share_of_wait" not in f.metrics and "evaluation" not in f.fix
     if d.run.metadata.get("dataloader"):  # recorded under the probes: the training loader's settings
         assert "This run: DataLoader(" in f.fix
+
+
+def _raw_evaluation_per_step(trace: Path) -> list[float]:
+    """Per ProfilerStep, ms from its first autograd-off mark to the end of its last (0 without)."""
+    with gzip.open(trace) as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"].startswith("ProfilerStep#"))
+    marks = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"] == NO_GRAD_BATCH]
+    out = []
+    for s0, s1 in steps:
+        mine = [(a, b) for a, b in marks if s0 <= a and b <= s1]
+        out.append((max(b for _, b in mine) - min(a for a, _ in mine)) / 1000 if mine else 0.0)
+    return out
+
+
+def test_the_evaluations_whole_loop_is_a_fact_of_the_run():
+    """Its batches and its forward passes: from the first marked fetch of a step to the end of the
+    fetch that ended its loop."""
+    d = diagnose_paths([EVAL])
+    e = d.extras["evaluation"]
+    n = d.run.steps_analysed
+    per_rank = []
+    for r in (0, 1):
+        per_step = _raw_evaluation_per_step(next(EVAL.glob(f"rank{r}.*.pt.trace.json.gz")))
+        assert len(per_step) == n  # every profiled step analysed: no window to choose
+        per_rank.append(sum(per_step) / n)
+    assert e["ranks"] == 2 and e["ms_per_step"] == pytest.approx(sum(per_rank) / 2, abs=1e-3)
+    # more than its batches' wait: the forward passes are in it
+    assert e["ms_per_step"] > _finding(d).metrics["no_grad_dataloader_ms"]
+    assert f"evaluation: {e['ms_per_step']:.1f} ms per step" in terminal_summary(d)
+    assert diagnose_paths([FIXTURES / "cpu_tiny_buckets_2rank"]).extras["evaluation"] == {}
 
 
 def test_the_run_facts_keep_each_loader_apart():

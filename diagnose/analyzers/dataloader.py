@@ -52,6 +52,9 @@ class RankInput:
     """Mean per-step time in DataLoader fetches (hidden or not)."""
     no_grad_wait_ms: float = 0.0
     """... of it in fetches the probes marked as made with autograd off (an evaluation's loader)."""
+    evaluation_ms: float = 0.0
+    """Mean per-step time from the first marked fetch of a step to the end of its last (the fetch
+    that ends the loop is marked too): an evaluation's whole loop, its forward passes included."""
 
     @property
     def rows(self) -> tuple[int, ...]:
@@ -66,14 +69,31 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
     if len(cp) and len(tl.steps):
         exposed_ms = float(np.mean(covered(tl.input_copies, tl.steps.start, tl.steps.end))) / 1000
         h2d_rows = tuple(int(i) for i in cp.nlargest(2, "dur").index)
-    wait_ms = no_grad_ms = 0.0
+    wait_ms = no_grad_ms = eval_ms = 0.0
     marks = ev[(ev["name"] == NO_GRAD_BATCH).to_numpy()]
     if len(marks) and len(tl.steps):
         wait_ms = float(np.mean(covered(tl.dataloader, tl.steps.start, tl.steps.end))) / 1000
         no_grad = intersect(tl.dataloader, union(marks["ts"], marks["ts"] + marks["dur"]))
         no_grad_ms = float(np.mean(covered(no_grad, tl.steps.start, tl.steps.end))) / 1000
+        eval_ms = _evaluation_ms(marks["ts"].to_numpy(float), (marks["ts"] + marks["dur"]).to_numpy(float), tl)
     return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows,
-                     wait_ms=wait_ms, no_grad_wait_ms=no_grad_ms)
+                     wait_ms=wait_ms, no_grad_wait_ms=no_grad_ms, evaluation_ms=eval_ms)
+
+
+def _evaluation_ms(start: np.ndarray, end: np.ndarray, tl: RankTimeline) -> float:
+    """Mean per step of each step's span from its first marked fetch to the end of its last."""
+    s0, s1 = np.asarray(tl.steps.start, dtype=float), np.asarray(tl.steps.end, dtype=float)
+    k = np.searchsorted(s0, start, side="right") - 1
+    inside = (k >= 0) & (end <= s1[np.maximum(k, 0)])
+    if not inside.any():
+        return 0.0
+    k, start, end = k[inside], start[inside], end[inside]
+    first = np.full(len(s0), np.inf)
+    last = np.full(len(s0), -np.inf)
+    np.minimum.at(first, k, start)
+    np.maximum.at(last, k, end)
+    span = np.where(np.isfinite(first), last - first, 0.0)
+    return float(span.mean()) / 1000
 
 
 def _dataloader(ctx: Context, th: Thresholds) -> Check:
