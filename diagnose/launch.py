@@ -255,15 +255,48 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
         except DiagnoseError as exc:
             click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
             return RunOutcome(code, run_dir, "analysis_failed")
-        nodes = nodes_of(command)
-        if nodes and d.run.ranks_missing:
-            click.echo(f"diagnose: the job spans {nodes} nodes and this node's run directory holds rank(s) "
-                       f"{rank_ranges(d.run.ranks_found)} of {d.run.world_size}: its verdict cannot see the others. "
-                       "Analyse every node's ranks together: diagnose analyze "
-                       f"{one_line(str(traces))} OTHER_RUN/traces ... "
-                       "(each node's `diagnose run` makes its own run directory, side by side in a shared --out; "
-                       "on node-local disks, --cluster: docs/cluster.md)", err=True)
+    nodes = nodes_of(command)
+    if nodes and d.run.ranks_missing:
+        # after the lock is released: the other nodes' launchers wait for it as this one waits for theirs
+        _with_other_nodes(run_dir, traces, d, nodes, echo, link)
     return RunOutcome(code, run_dir, "analysed")
+
+
+def _with_other_nodes(run_dir: Path, traces: Path, d, nodes: int, echo: bool, link) -> None:
+    """A node's run of a multi-node job: every node's ranks analysed together where their run
+    directories sit side by side (diagnose/multinode.py), else how to do it."""
+    from diagnose.multinode import TOGETHER, find_together
+    from diagnose.output import analyze_outputs
+
+    def say(text: str) -> None:
+        click.echo(f"diagnose: {one_line(text)}", err=True)
+
+    found = find_together(run_dir, say)
+    if found is None:
+        say(f"the job spans {nodes} nodes and this node's run directory holds rank(s) "
+            f"{rank_ranges(d.run.ranks_found)} of {d.run.world_size}: its verdict cannot see the others. "
+            f"Analyse every node's ranks together: diagnose analyze {traces} OTHER_RUN/traces ... "
+            "(each node's `diagnose run` makes its own run directory, side by side in a shared --out; "
+            "on node-local disks, --cluster: docs/cluster.md)")
+        return
+    paths = [str(n.traces) for n in found.members]
+    dirs = " ".join(paths)
+    if found.still_running:
+        say(f"{len(found.still_running)} other node run(s) still running after the wait "
+            f"({', '.join(str(p) for p in found.still_running)}): once they end, diagnose analyze {dirs}")
+        return
+    if found.elsewhere is not None:
+        say(f"every node's ranks are analysed together by another node's launcher, into {found.elsewhere}")
+        return
+    out = run_dir / TOGETHER
+    ranks = sorted(set().union(*(n.ranks for n in found.members)))
+    say(f"every node's ranks together: {len(found.members)} run directories, rank(s) {rank_ranges(ranks)} "
+        f"of {d.run.world_size}, into {out}")
+    try:
+        out.mkdir()
+        analyze_outputs(paths, out, echo=echo, link=link)
+    except (OSError, DiagnoseError) as exc:
+        say(f"could not analyse every node's ranks together: {exc}; diagnose analyze {dirs}")
 
 
 def _profiled_itself(traces: Path) -> bool:

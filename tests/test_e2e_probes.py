@@ -165,6 +165,37 @@ def test_a_job_torchelastic_restarts_is_diagnosed_from_its_last_attempt(tmp_path
     assert any("restarted by torchelastic (2 attempts)" in w and "attempt0" in w for w in d["warnings"])
 
 
+def test_a_job_over_two_nodes_is_analysed_once_with_every_rank(tmp_path):
+    """Two `diagnose run` launchers, one a "node" (here on one host), of one `torchrun --nnodes 2`
+    job, rank 1 sleeping 100 ms a step. Each node's run directory alone reads the other's sleep
+    as waiting (the caution beside each verdict); side by side in one --out, the launchers find
+    each other's run (diagnose/multinode.py) and one of them analyses every rank: rank 1, a
+    straggler."""
+    port = _free_port()
+    cmd = lambda node: [sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",  # noqa: E731
+                        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                        "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
+                        str(EXAMPLE), "--steps", "16", "--straggler-rank", "1", "--straggler-ms", "100"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd(k), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+             for k in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [e[-3000:] for _, e in outs]
+    runs = sorted(d for d in tmp_path.iterdir() if d.is_dir())
+    assert len(runs) == 2
+    for r in runs:  # each node's own analysis, with what it cannot see said
+        own = json.loads((r / "diagnosis.json").read_text())
+        assert len(own["run"]["ranks_found"]) == 1 and len(own["run"]["ranks_missing"]) == 1
+    together = [r / "all-nodes" for r in runs if (r / "all-nodes" / "diagnosis.json").exists()]
+    assert len(together) == 1, [e[-2000:] for _, e in outs]
+    d = json.loads((together[0] / "diagnosis.json").read_text())
+    assert d["run"]["ranks_found"] == [0, 1] and not d["run"]["ranks_missing"]
+    assert d["findings"][0]["id"] == "straggler" and d["findings"][0]["ranks"] == [1], d["findings"][:2]
+    said = "".join(e for _, e in outs)
+    assert said.count("every node's ranks together:") == 1, said[-3000:]
+    assert f"analysed together by another node's launcher, into {together[0]}" in said, said[-3000:]
+
+
 def test_single_process_script(tmp_path):
     res = subprocess.run([sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",
                           sys.executable, str(EXAMPLE), "--steps", "10"],
