@@ -37,9 +37,8 @@ from diagnose.probedata import (
     read_meta,
 )
 from diagnose.probes.safefs import open_regular
-from diagnose.rundir import last_attempt, run_dirs, run_is_live
+from diagnose.rundir import TRACES, last_attempt, run_dirs, run_is_live
 
-TRACES = "traces"
 TOGETHER = "all-nodes"
 """The directory of the job's analysis, in the run directory of the launcher that made it."""
 CLAIM = ".all-nodes.claim"

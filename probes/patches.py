@@ -89,12 +89,21 @@ class _TimedIter:
 
     def __next__(self):
         t = time.perf_counter()
+        span = None
+        if self._mark is not None:
+            try:
+                span = self._span(self._mark)
+                span.__enter__()
+            except Exception:  # noqa: BLE001 - a probe must never raise into training
+                span = None
         try:
-            if self._mark is None:
-                return next(self._it)
-            with self._span(self._mark):
-                return next(self._it)
+            return next(self._it)
         finally:
+            if span is not None:
+                try:
+                    span.__exit__(None, None, None)
+                except Exception:  # noqa: BLE001, S110
+                    pass
             self._probe.on_data_wait(time.perf_counter() - t)
 
     def __len__(self):

@@ -153,7 +153,8 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
         # mostly the evaluation's: the training loader's settings are beside the point
         fix = f"{evaluation} {FIX}" if eval_share >= 0.5 else f"{fix} {evaluation}"
     f = Finding(
-        id="dataloader_starvation", title=TITLE_EVAL if eval_share >= 0.5 else TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3),
+        id="dataloader_starvation", title=TITLE_EVAL if eval_share >= 0.5 else TITLE, severity=th.severity(share),
+        recoverable_ms=round(ms, 3),
         share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=tuple(refs), fix=fix,
         confidence=confidence_for(ctx), method="Mean per-step DataLoader wait not hidden under device work "
         "(GPU) or blocking the training thread (CPU), on the worst rank.")

@@ -563,7 +563,7 @@ def _ends_by_key(c: pd.DataFrame) -> dict[tuple, float]:
     return dict(zip(zip(c["step"].tolist(), c["pg"].tolist(), c["seq"].tolist()), c["end"].tolist()))
 
 
-def _span_us(t: RankTrace) -> tuple[float, float] | None:
+def absolute_span_us(t: RankTrace) -> tuple[float, float] | None:
     """[first event start, last event end] on an absolute clock where the file says how."""
     if t.span_us is None:
         return None
@@ -574,7 +574,7 @@ def _span_us(t: RankTrace) -> tuple[float, float] | None:
 
 def _check_overlap(by_rank: Mapping[int, RankTrace]) -> None:
     """Profiles of one run overlap in time: two that do not come from two runs."""
-    spans = {r: s for r, t in by_rank.items() if (s := _span_us(t)) is not None}
+    spans = {r: s for r, t in by_rank.items() if (s := absolute_span_us(t)) is not None}
     if len(spans) < 2:
         return
     late = max(spans, key=lambda r: spans[r][0])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diagnose.ingest.assemble import _span_us
+from diagnose.ingest.assemble import absolute_span_us
 from diagnose.ingest.load import RankTrace
 from diagnose.probedata import ProbeData, has_device_times, job_step_ms
 
@@ -66,7 +66,7 @@ def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData
     window, rest, first, last, others = [], [], [], [], 0
     for r, t in traces.items():
         p = probes.get(r)
-        span = _span_us(t)
+        span = absolute_span_us(t)
         if p is None or p.steps.empty or span is None or not t.meta.get("baseTimeNanoseconds"):
             continue
         if str(p.meta.get("device", "")).startswith("cuda") and not has_device_times(p):
