@@ -22,7 +22,8 @@ import click
 from diagnose import __version__
 from diagnose.model import CHECK_ORDER, Diagnosis
 
-DIFF_VERSION = "1.1"  # 1.1: "prediction" (the before run's predicted saving against the measured one)
+DIFF_VERSION = "1.2"  # 1.1: "prediction" (the before run's predicted saving against the measured one);
+# 1.2: "every_step_ms" (both runs' every recorded step outside their windows: extras.window)
 COMPONENTS = ("compute_ms", "exposed_comm_ms", "straggler_wait_ms", "dataloader_ms", "other_ms")
 # The breakdown component each check's cause lands in; measured on both sides even when a
 # check passes, so a cause that disappeared still has an "after" number.
@@ -116,7 +117,25 @@ def _comparability(before: Diagnosis, after: Diagnosis) -> list[str]:
         notes.append(f"steps found differently ({b.step_source} -> {a.step_source})")
     if len(b.ranks_found) != len(a.ranks_found):
         notes.append(f"ranks found differ ({len(b.ranks_found)} -> {len(a.ranks_found)})")
+    for side, d in (("before", before), ("after", after)):
+        w = d.extras.get("window") or {}
+        if w.get("unlike"):
+            first, last = w["window_steps"]
+            notes.append(f"the {side} run's profiled steps ({first}-{last}) averaged {w['window_step_ms']:.1f} ms, "
+                         f"{w['ratio']:.2f}x its {w['run_step_ms']:.1f} ms over {w['run_steps']} other recorded "
+                         "steps: its figures are not the run's usual ones")
     return notes
+
+
+def _every_step(before: Diagnosis, after: Diagnosis) -> dict | None:
+    """Both runs' mean step over every step the probes recorded outside the profiled window
+    (diagnose/step/window.py), where both have one: steadier than a few profiled steps."""
+    wb, wa = (d.extras.get("window") or {} for d in (before, after))
+    b, a = wb.get("run_step_ms"), wa.get("run_step_ms")
+    if b is None or a is None:
+        return None
+    return {"before": b, "after": a, "change_ms": round(a - b, 3), "change_pct": _pct_change(b, a),
+            "steps": [wb.get("run_steps"), wa.get("run_steps")]}
 
 
 def _prediction(before: Diagnosis, causes: list[dict], measured_ms: float | None) -> dict | None:
@@ -164,6 +183,7 @@ def diff_diagnoses(before: Diagnosis, after: Diagnosis, *, before_label: str = "
         "findings_appeared": [c["id"] for c in causes if c["change"] == "appeared"],
         "findings_changed": [c["id"] for c in causes if c["change"] == "changed"],
         "findings_unchanged": [c["id"] for c in causes if c["change"] == "unchanged"],
+        "every_step_ms": _every_step(before, after),
         "comparability": _comparability(before, after),
         "prediction": _prediction(before, causes, bs - as_ if bs is not None and as_ is not None else None),
     }
@@ -192,6 +212,11 @@ def diff_summary(diff: dict) -> str:
     pct = st.get("change_pct")
     lines = [f"STEP TIME: {_ms(st.get('before'))} -> {_ms(st.get('after'))}"
              + (f" ({pct:+.1%})" if pct is not None else "")]
+    every = diff.get("every_step_ms")
+    if isinstance(every, dict):
+        pct = every.get("change_pct")
+        lines.append(f"EVERY STEP (the probes' record, outside the profiled steps): {_ms(every.get('before'))} -> "
+                     f"{_ms(every.get('after'))}" + (f" ({pct:+.1%})" if pct is not None else ""))
     causes = {c["id"]: c for c in diff.get("causes", [])}
 
     def _comp(c: dict) -> str:

@@ -79,6 +79,13 @@ def render_diff(diff: dict) -> str:
                      f'<strong>{fmt_ms(pr.get("predicted_saving_ms"), 1)}</strong> per step '
                      f'({esc(pr.get("method"))}); the step got <strong>{fmt_ms(pr.get("measured_saving_ms"), 1)}'
                      f'</strong> shorter{f" (prediction {err:+.0%})" if err is not None else ""}.</p>')
+    every = _dict(d.get("every_step_ms"))
+    every_html = ""
+    if every:
+        ep = num(every.get("change_pct"))
+        every_html = (f'<p><span class="kicker">Every step</span> <strong>{fmt_ms(every.get("before"), 1)} → '
+                      f'{fmt_ms(every.get("after"), 1)}</strong>{esc(f" ({ep:+.1%})" if ep is not None else "")} '
+                      '<span class="muted">(the probes\' record of every step outside the profiled ones)</span></p>')
     notes = "".join(f'<li>{esc(n)}</li>' for n in _list(d.get("comparability")))
     notes_html = f'<ul class="lines warn">{notes}</ul>' if notes else ""
     body = f"""<main>
@@ -86,7 +93,7 @@ def render_diff(diff: dict) -> str:
 <span class="muted">{esc(tool.get("name", "torch-diagnose"))} {esc(tool.get("version", ""))} · diff {esc(d.get("diff_version"))}</span></header>
 <section class="verdict" id="verdict" aria-label="Summary"><p class="headline"><span class="kicker">Step time</span>
 <strong>{fmt_ms(st.get("before"), 1)} → {fmt_ms(st.get("after"), 1)}</strong>{esc(change)}</p>
-{predicted}<dl class="facts">{"".join(lists)}</dl>{notes_html}</section>
+{every_html}{predicted}<dl class="facts">{"".join(lists)}</dl>{notes_html}</section>
 <h2 id="side-by-side">Before and after</h2><div class="side">{_diff_side(before)}{_diff_side(after)}</div>
 <h2 id="causes">Per cause</h2>{_diff_causes(_list(d.get("causes")))}
 <h2 id="breakdown">Where the step goes</h2>{chart or '<p class="muted">No step breakdown to compare.</p>'}

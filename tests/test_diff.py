@@ -92,3 +92,28 @@ def test_render_diff_escapes_trace_text_and_tolerates_odd_input():
     assert HOSTILE not in text and text.count("<script") == 4
     for odd in ({}, {"before": None, "causes": [None, 1], "step_ms": "x"}, {"findings_gone": [HOSTILE]}):
         assert HOSTILE not in render_diff(odd) and render_diff(odd).startswith("<!DOCTYPE html>")
+
+
+def test_every_recorded_step_is_compared_and_an_unusual_window_is_said():
+    """Two runs under the probes: beside the profiled steps' means, every other recorded step's
+    (diagnose/step/window.py), and a side whose window caught its one evaluation is named."""
+    from diagnose.pipeline import diagnose_paths
+
+    fixtures = ROOT / "tests" / "fixtures"
+    before = diagnose_paths([fixtures / "gpu_h200" / "none_long_timed"])
+    after = diagnose_paths([fixtures / "cpu_window_unlike_run_2rank"])
+    diff = diff_diagnoses(before, after)
+    wb, wa = before.extras["window"], after.extras["window"]
+    every = diff["every_step_ms"]
+    assert (every["before"], every["after"]) == (wb["run_step_ms"], wa["run_step_ms"])
+    assert every["steps"] == [wb["run_steps"], wa["run_steps"]]
+    assert every["change_pct"] == pytest.approx(wa["run_step_ms"] / wb["run_step_ms"] - 1, abs=1e-3)
+    # the profiled steps say +500%, every step -8%: both shown, the window's caution with them
+    assert diff["step_ms"]["change_pct"] > 4 and every["change_pct"] < 0
+    summary = diff_summary(diff)
+    assert "EVERY STEP (the probes' record, outside the profiled steps): 12.9 ms -> 11.9 ms" in summary
+    assert [n for n in diff["comparability"] if n.startswith("the after run's profiled steps (47-51)")]
+    assert not [n for n in diff["comparability"] if n.startswith("the before run's")]
+    assert "Every step" in render_diff(diff)
+    # a run without the record (the shared traces): no every-step line
+    assert diff_diagnoses(_diagnosis(NW0), after)["every_step_ms"] is None
