@@ -1,19 +1,20 @@
 """The one-way pipeline: traces -> Run -> Context -> checklist -> ranked Diagnosis."""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
 from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.context import Context, build_context, prune_dead_views
 from diagnose.extras import report_extras
-from diagnose.errors import one_line
+from diagnose.errors import DiagnoseError, one_line
 from diagnose.ingest.assemble import Progress, Reader, Run, load_run
-from diagnose.ingest.discover import has_traces
+from diagnose.ingest.discover import discover_traces, has_traces
 from diagnose.heap import give_back_freed
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
-from diagnose.probedata import ProbeData, load_probe_data
+from diagnose.probedata import ProbeData, has_records, load_probe_data
 from diagnose.rundir import last_attempt
 from diagnose.step.breakdown import BreakdownRows
 from diagnose.step.link import LinkSpec
@@ -156,6 +157,49 @@ def last_attempts(paths: list[str | Path]) -> tuple[list[str | Path], list[str]]
     return out, notes
 
 
+_WINDOW_FILE = re.compile(r"^rank(\d+)\.(\d+)\.pt\.trace\.json(\.gz)?$")
+"""A trace the probes wrote for one profiled window (probes/core.py: rank{R}.{ms}.pt.trace.json.gz)."""
+
+
+def last_windows(paths: list[str | Path]) -> tuple[list[str | Path], list[str]]:
+    """A run directory's traces from a schedule that repeats (`--schedule W,U,A,R`, R > 1: one file
+    a rank a window) replaced by its last window every rank wrote, with a line naming the others.
+    Several traces a rank anywhere else stay an error (mixed runs are refused, never guessed)."""
+    out: list[str | Path] = []
+    notes = []
+    for p in paths:
+        d = Path(p)
+        try:
+            files = discover_traces([d]) if d.is_dir() else []
+        except DiagnoseError:
+            files = []  # said where the traces are read
+        parents = {f.parent for f in files}
+        if len(parents) != 1 or not has_records(next(iter(parents))):
+            out.append(p)
+            continue
+        d = next(iter(parents))
+        windows: dict[int, list[tuple[int, Path]]] = {}
+        others = False
+        for f in files:
+            m = _WINDOW_FILE.match(f.name)
+            if m is None:
+                others = True
+                break
+            windows.setdefault(int(m.group(1)), []).append((int(m.group(2)), f))
+        counts = {len(v) for v in windows.values()}
+        if others or not windows or max(counts) < 2:
+            out.append(p)
+            continue
+        k = min(counts)  # the last window every rank wrote
+        for v in windows.values():
+            v.sort()
+        out += [v[k - 1][1] for _, v in sorted(windows.items())]
+        notes.append(f"{d}: {max(counts)} profiled windows a rank (a repeating --schedule); the last every rank "
+                     f"wrote (window {k}) is analysed; pass another window's files (rank*.STAMP.pt.trace.json.gz, "
+                     "the k-th stamp of each rank) to analyse it")
+    return out, notes
+
+
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jobs: int | None = None, progress: Progress | None = None,
                    probe_paths: list[str | Path] | None = None, link: LinkSpec | None = None,
@@ -165,8 +209,11 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     reader: where the traces are read (a Dask cluster's workers); the probes' small files are read
     here, from those of the paths that this machine sees too."""
     paths, restarted = last_attempts(paths)
+    paths, windows = last_windows(paths)
+    if probe_paths is None and windows and reader is None:
+        probe_paths = [p if Path(p).is_dir() else Path(p).parent for p in paths]
     run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress, reader=reader)
-    run.warnings.extend(restarted)
+    run.warnings.extend(restarted + windows)
     if probe_paths is None:
         probe_paths = paths if reader is None else [p for p in paths if Path(p).exists()]
     probes = load_probe_data(probe_paths) if probe_paths else {}
