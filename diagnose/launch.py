@@ -321,7 +321,8 @@ def _before_the_window(traces: Path, schedule: str) -> str:
 
     sch = Schedule.parse(schedule)
     if not sch.enabled:
-        return " (--schedule off: timings only, in the run directory's step logs)"
+        return (" (--schedule off: timings only, in the run directory's step logs: `diagnose changes "
+                f"{one_line(str(traces.parent))}` reads them)")
     logs = last_attempt(traces, has_records)[0]
     steps = []
     for log in sorted(logs.glob("rank*.steps.jsonl"))[:64]:

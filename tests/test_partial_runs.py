@@ -67,7 +67,7 @@ def test_the_launcher_knows_a_job_over_several_nodes(command, env, nodes):
     (1, "2,2,5", (": the job ran 1 step(s), and the profiler's window (--schedule 2,2,5) records from step 5; "
                   "rerun with more steps")),
     (6, "2,2,5", ""),  # it reached the window: no trace for another reason, not guessed
-    (3, "off", " (--schedule off: timings only, in the run directory's step logs)"),
+    (3, "off", " (--schedule off: timings only, in the run directory's step logs: `diagnose changes RUN` reads them)"),
 ])
 def test_a_run_that_ended_before_the_window_says_so(tmp_path, ran, schedule, says):
     """`diagnose run` of a short smoke test used to end in "the job wrote no traces; nothing to
@@ -82,4 +82,4 @@ def test_a_run_that_ended_before_the_window_says_so(tmp_path, ran, schedule, say
             probe.on_step()
         probe.close()
     assert len((tmp_path / "rank0.steps.jsonl").read_text().splitlines()) == ran
-    assert _before_the_window(tmp_path, schedule) == says
+    assert _before_the_window(tmp_path, schedule) == says.replace("RUN", str(tmp_path.parent))
