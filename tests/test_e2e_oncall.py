@@ -49,8 +49,8 @@ def profiler_steps(path):
 
 
 def test_capture_a_running_job(tmp_path):
-    steps = 100  # about 30 s at ~300 ms per step (the straggler sleeps 150 ms of them): the capture
-    # of 4 steps takes a few seconds once asked, so the job is still running when it ends
+    steps = 70  # about 21 s at ~300 ms per step (the straggler sleeps 150 ms of them): the capture
+    # of 4 steps takes a few seconds once asked (after step 5), so the job is still running when it ends
     job = start_job(tmp_path, "--pathology", "straggler", "--steps", str(steps))
     try:
         wait_for_steps(tmp_path, 5)
