@@ -120,10 +120,9 @@ def _comparability(before: Diagnosis, after: Diagnosis) -> list[str]:
     for side, d in (("before", before), ("after", after)):
         w = d.extras.get("window") or {}
         if w.get("unlike"):
-            first, last = w["window_steps"]
-            notes.append(f"the {side} run's profiled steps ({first}-{last}) averaged {w['window_step_ms']:.1f} ms, "
-                         f"{w['ratio']:.2f}x its {w['run_step_ms']:.1f} ms over {w['run_steps']} other recorded "
-                         "steps: its figures are not the run's usual ones")
+            from diagnose.step.window import caution
+
+            notes.append(f"the {side} run: {caution(w)}")
     return notes
 
 

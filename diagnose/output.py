@@ -154,13 +154,6 @@ def write_json(d: Diagnosis, out_dir: Path) -> Path:
     return path
 
 
-def _window_caution(w: dict) -> str:
-    """extras.window in a line (diagnose/step/window.py): the profiled steps were not the run's usual ones."""
-    a, b = w["window_steps"]
-    return (f"the profiled steps ({a}-{b}) averaged {w['window_step_ms']:.1f} ms, {w['ratio']:.2f}x the run's "
-            f"{w['run_step_ms']:.1f} ms over {w['run_steps']} other steps: these figures may not be the run's")
-
-
 def terminal_summary(d: Diagnosis) -> str:
     """The summary `analyze` prints. Titles, reasons, fixes, device names and warnings carry trace
     text (op names, file names, metadata), which is untrusted: every line goes through one
@@ -184,7 +177,9 @@ def terminal_summary(d: Diagnosis) -> str:
                      "as communication here; analyse every rank's traces together")
     window = d.extras.get("window") or {}
     if window.get("unlike") and f is not None and f.kind != "capacity":
-        lines.append(f"  caution: {_window_caution(window)}")
+        from diagnose.step.window import caution
+
+        lines.append(f"  caution: {one_line(caution(window))}")
     found = len(r.ranks_found)
     ws = r.world_size or found
     mean = sum(r.mean_step_ms.values()) / max(len(r.mean_step_ms), 1)

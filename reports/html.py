@@ -47,13 +47,16 @@ def _headline(d: dict) -> str:
 def _window(d: dict) -> str:
     """The caution beside the verdict when the profiled steps were not the run's usual ones
     (extras.window, diagnose/step/window.py)."""
+    from diagnose.step.window import caution
+
     w = _dict(_dict(d.get("extras")).get("window"))
-    steps, ratio = _list(w.get("window_steps")), num(w.get("ratio"))
-    if w.get("unlike") is not True or len(steps) != 2 or ratio is None:
+    if w.get("unlike") is not True:
         return ""
-    return (f'<p class="warn">Caution: the profiled steps {esc(steps[0])}–{esc(steps[1])} averaged '
-            f'{fmt_ms(w.get("window_step_ms"), 1)}, {ratio:.2f}x the run\'s {fmt_ms(w.get("run_step_ms"), 1)} over '
-            f'{esc(w.get("run_steps"))} other recorded steps: these figures may not be the run\'s.</p>')
+    try:
+        text = caution(w)
+    except (KeyError, TypeError, ValueError):  # a hand-edited diagnosis.json: no caution, no crash
+        return ""
+    return f'<p class="warn">Caution: {esc(text)}.</p>'
 
 
 def _run_facts(run: dict, extras: dict | None = None) -> Iterator[str]:

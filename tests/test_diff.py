@@ -112,7 +112,7 @@ def test_every_recorded_step_is_compared_and_an_unusual_window_is_said():
     assert diff["step_ms"]["change_pct"] > 4 and every["change_pct"] < 0
     summary = diff_summary(diff)
     assert "EVERY STEP (the probes' record, outside the profiled steps): 12.9 ms -> 11.9 ms" in summary
-    assert [n for n in diff["comparability"] if n.startswith("the after run's profiled steps (47-51)")]
+    assert [n for n in diff["comparability"] if n.startswith("the after run: the profiled steps 47-51")]
     assert not [n for n in diff["comparability"] if n.startswith("the before run's")]
     assert "Every step" in render_diff(diff)
     # a run without the record (the shared traces): no every-step line

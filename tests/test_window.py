@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,14 @@ def _raw(d: Path, rank: int) -> tuple[list[int], float, float]:
     return [s["step"] for s in inside], mean(inside), mean(others)
 
 
+def _raw_medians(d: Path, rank: int) -> tuple[float, float]:
+    inside, _, _ = _raw(d, rank)
+    steps = [json.loads(line) for line in (d / f"rank{rank}.steps.jsonl").read_text().splitlines()]
+    w = [s["dur_ms"] for s in steps if s["step"] in inside]
+    o = [s["dur_ms"] for s in steps if s["step"] > 0 and s["step"] not in inside]
+    return statistics.median(w), statistics.median(o)
+
+
 def test_a_window_that_caught_the_runs_evaluation_says_so_beside_the_verdict():
     d = diagnose_paths([UNLIKE])
     w = d.extras["window"]
@@ -47,12 +56,20 @@ def test_a_window_that_caught_the_runs_evaluation_says_so_beside_the_verdict():
     run = sum(o for _, _, o in raw) / 2
     assert w["window_step_ms"] == pytest.approx(window, abs=1e-3) and w["run_step_ms"] == pytest.approx(run, abs=1e-3)
     assert w["ratio"] == pytest.approx(window / run, abs=1e-3) and w["unlike"] is True and w["ratio"] > 3
+    # the evaluation's step, named; and the profiler's own cost on these 12 ms steps: the window's
+    # median step is itself 1.7x the run's (its four other steps 11-24 ms against 11.6)
+    assert "outliers" in w["kinds"] and w["slowest_step"] == 50 and w["slowest_ms"] > 300
+    med = [_raw_medians(UNLIKE, r) for r in (0, 1)]
+    assert w["window_median_ms"] == pytest.approx(sum(m for m, _ in med) / 2, abs=1e-3)
+    assert w["run_median_ms"] == pytest.approx(sum(o for _, o in med) / 2, abs=1e-3)
+    assert "shifted" in w["kinds"] and 1.25 < w["median_ratio"] < w["ratio"]
     summary = terminal_summary(d)
     verdict_block = summary.split("\n\n")[0]
-    assert "caution: the profiled steps (47-51) averaged" in verdict_block, summary
-    assert any(x.startswith("the profiled steps 47-51 averaged") for x in d.warnings)
+    assert "caution: the profiled steps 47-51 ran at a median" in verdict_block, summary
+    assert "; step 50 at " in verdict_block and "profile at a typical time" in verdict_block, summary
+    assert any(x.startswith("the profiled steps 47-51 ran at a median") for x in d.warnings)
     page = render(diagnosis_dict(d))
-    assert "Caution: the profiled steps 47–51 averaged" in page
+    assert "Caution: the profiled steps 47-51 ran at a median" in page
 
 
 @pytest.mark.parametrize("fixture", ["cpu_eval_in_loop_2rank", "cpu_tiny_buckets_2rank"])

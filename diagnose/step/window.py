@@ -1,14 +1,22 @@
 """Is the profiled window like the rest of the run?
 
 Every check reads the few profiled steps; every figure is a mean over them. A window that caught
-the run at an unusual time (its first, slower steps; a validation or checkpoint that runs once in
-a thousand steps; the minutes before a slowdown) describes those steps, not the run. The probes
-time every step, so the window can be set against the run: each rank's profiled steps are the
-step records that lie inside its trace (both on the host's wall clock: a Kineto trace's
-`baseTimeNanoseconds` plus its event times, the probes' `time.time()`), the run is every other
-recorded step (the probes' step 0, start-up, is never in the record). Compared as means, the
-figure the checks report: a window whose mean step is more than WINDOW_UNLIKE_RUN away from the
-run's says so beside the verdict. Both are the median over ranks of each rank's mean.
+the run at an unusual time describes those steps, not the run. The probes time every step, so the
+window can be set against the run: each rank's profiled steps are the step records that lie inside
+its trace (both on the host's wall clock: a Kineto trace's `baseTimeNanoseconds` plus its event
+times, the probes' `time.time()`), the run is every other recorded step (the probes' step 0,
+start-up, is never in the record). Each figure is the median over ranks of each rank's.
+
+Two ways a window is unlike the run, told apart because their remedies differ (both may hold):
+- `outliers`: the window's mean is off its own median (more than the run's is): a few steps
+  inside it ran far from the rest (a validation or checkpoint that runs once in a thousand steps,
+  caught by the window). The means every check reports carry them: profile at another time.
+- `shifted`: the window's median step itself is off the run's: the whole window ran slower or
+  faster. Either a phase of the run unlike the rest (warm-up, a slowdown that came or went), or
+  the profiler's own cost, which on short steps is large (measured here: a 4.3 ms CPU step took
+  8.5 ms profiled, `examples/train_ddp.py --pathology tiny-batch`): then the trace's per-op
+  figures carry that cost too.
+Either beyond WINDOW_UNLIKE_RUN is said beside the verdict.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ from diagnose.ingest.load import RankTrace
 from diagnose.probedata import ProbeData, has_device_times, job_step_ms
 
 WINDOW_UNLIKE_RUN = 0.25
-"""The window's mean step this much above or below the run's: the figures may not be the run's."""
+"""The window's mean (or median) step this much above or below the run's: said beside the verdict."""
 MIN_OTHERS = 10
 """Steps recorded outside the window, at the least, for the run to be set against it."""
 SLACK_US = 1000.0
@@ -31,9 +39,16 @@ SLACK_US = 1000.0
 @dataclass(frozen=True, slots=True)
 class WindowAgainstRun:
     window_step_ms: float
+    """Mean profiled step (the figure the checks' means are over)."""
     run_step_ms: float
+    """Mean of the run's other recorded steps."""
+    window_median_ms: float
+    run_median_ms: float
     window_steps: tuple[int, int]
     """The first and last step numbers profiled (the probes' numbering), over the ranks compared."""
+    slowest_step: int
+    """The profiled step furthest from the run's median step, on the rank with the largest such."""
+    slowest_ms: float
     run_steps: int
     """Steps recorded outside the window (the rank with the most)."""
     ranks: int
@@ -43,27 +58,62 @@ class WindowAgainstRun:
         return self.window_step_ms / self.run_step_ms
 
     @property
+    def median_ratio(self) -> float:
+        return self.window_median_ms / self.run_median_ms
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """'shifted' (the window's median step off the run's), 'outliers' (its mean off its median
+        by more than the run's is: a few steps far from the rest), both, or neither."""
+        out = []
+        if abs(self.median_ratio - 1.0) > WINDOW_UNLIKE_RUN:
+            out.append("shifted")
+        if abs(self.ratio / self.median_ratio - 1.0) > WINDOW_UNLIKE_RUN:
+            out.append("outliers")
+        return tuple(out)
+
+    @property
     def unlike(self) -> bool:
-        return abs(self.ratio - 1.0) > WINDOW_UNLIKE_RUN
+        return bool(self.kinds)
 
     def text(self) -> str:
-        a, b = self.window_steps
-        steps = f"step {a}" if a == b else f"steps {a}-{b}"
-        return (f"the profiled {steps} averaged {self.window_step_ms:.1f} ms a step, {self.ratio:.2f}x the "
-                f"{self.run_step_ms:.1f} ms of the run's {self.run_steps} other recorded steps: the figures describe "
-                "those steps; profile at a typical time (--schedule WAIT,WARMUP,ACTIVE, or `diagnose capture` on "
-                "the running job) to see the run's")
+        return caution(self.as_dict())
 
     def as_dict(self) -> dict:
         return {"window_step_ms": round(self.window_step_ms, 3), "run_step_ms": round(self.run_step_ms, 3),
-                "window_steps": list(self.window_steps), "run_steps": self.run_steps, "ranks": self.ranks,
-                "ratio": round(self.ratio, 4), "unlike": self.unlike}
+                "window_median_ms": round(self.window_median_ms, 3), "run_median_ms": round(self.run_median_ms, 3),
+                "window_steps": list(self.window_steps), "slowest_step": self.slowest_step,
+                "slowest_ms": round(self.slowest_ms, 3), "run_steps": self.run_steps, "ranks": self.ranks,
+                "ratio": round(self.ratio, 4), "median_ratio": round(self.median_ratio, 4),
+                "kinds": list(self.kinds), "unlike": self.unlike}
+
+
+def caution(w: dict) -> str:
+    """The line said beside the verdict for an unlike window (extras.window, written or read back)."""
+    a, b = w["window_steps"]
+    steps = f"step {a}" if a == b else f"steps {a}-{b}"
+    kinds = w.get("kinds") or []
+    parts = []
+    if "shifted" in kinds:
+        parts.append(f"the profiled {steps} ran at a median {w['window_median_ms']:.1f} ms a step, "
+                     f"{w['median_ratio']:.2f}x the {w['run_median_ms']:.1f} ms of the run's {w['run_steps']} other "
+                     "recorded steps: a phase unlike the rest (warm-up, a slowdown: `diagnose changes` shows the "
+                     "run), or the profiler's own cost, large on short steps, which the trace's per-op figures "
+                     "then carry too")
+    if "outliers" in kinds:
+        lead = f"step {w['slowest_step']}" if parts else f"the profiled {steps} include step {w['slowest_step']}"
+        parts.append(f"{lead} at {w['slowest_ms']:.1f} ms against the run's median {w['run_median_ms']:.1f} "
+                     f"(the window's mean {w['window_step_ms']:.1f} ms a step, {w['ratio']:.2f}x the run's "
+                     f"{w['run_step_ms']:.1f}): the figures, means over the window, carry it; profile at a typical "
+                     "time (--schedule WAIT,WARMUP,ACTIVE, or `diagnose capture` on the running job) to see the run's")
+    return "; ".join(parts)
 
 
 def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData]) -> WindowAgainstRun | None:
     """The profiled window against the rest of the run, where both are known (None otherwise:
     no every-step record, no absolute clock in the traces, too few steps outside the window)."""
-    window, rest, first, last, others = [], [], [], [], 0
+    means, medians, run_means, run_medians, first, last, far = [], [], [], [], [], [], []
+    others = 0
     for r, t in traces.items():
         p = probes.get(r)
         span = absolute_span_us(t)
@@ -82,16 +132,20 @@ def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData
         w, o = dur[inside & ok], dur[~inside & ok]
         if not len(w) or len(o) < MIN_OTHERS:
             continue
-        window.append(float(np.mean(w)))
-        rest.append(float(np.mean(o)))
-        steps = s["step"].to_numpy()[inside]
+        means.append(float(np.mean(w)))
+        medians.append(float(np.median(w)))
+        run_means.append(float(np.mean(o)))
+        run_medians.append(float(np.median(o)))
+        steps = s["step"].to_numpy()[inside & ok]
         first.append(int(steps.min()))
         last.append(int(steps.max()))
+        k = int(np.argmax(np.abs(w - run_medians[-1])))
+        far.append((abs(float(w[k]) - run_medians[-1]), int(steps[k]), float(w[k])))
         others = max(others, len(o))
-    if not window:
+    if not means or float(np.median(run_means)) <= 0 or float(np.median(run_medians)) <= 0:
         return None
-    run_ms = float(np.median(rest))
-    if run_ms <= 0:
-        return None
-    return WindowAgainstRun(window_step_ms=float(np.median(window)), run_step_ms=run_ms,
-                            window_steps=(min(first), max(last)), run_steps=others, ranks=len(window))
+    _, step, ms = max(far)
+    return WindowAgainstRun(window_step_ms=float(np.median(means)), run_step_ms=float(np.median(run_means)),
+                            window_median_ms=float(np.median(medians)), run_median_ms=float(np.median(run_medians)),
+                            window_steps=(min(first), max(last)), slowest_step=step, slowest_ms=ms,
+                            run_steps=others, ranks=len(means))
