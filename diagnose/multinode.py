@@ -12,6 +12,7 @@ The same job, by evidence, all of it required:
 - the same rendezvous in every rank's environment as the probes recorded it (MASTER_ADDR,
   MASTER_PORT, WORLD_SIZE, TORCHELASTIC_RUN_ID, SLURM_JOB_ID; probes/meta.py);
 - ranks disjoint from the others' (a directory holding one of ours is another run, or a copy);
+- a run directory of the same owner as ours (a shared --out may hold other users' runs);
 - records that overlap in time (a job is synchronous; a job that ran before on the same address
   and port, a static rendezvous's 29500, ended before this one began).
 Finished: a sibling's launcher holds its run lock while its job runs and while it analyses its own
@@ -130,7 +131,7 @@ def siblings(ours: NodeRun) -> list[NodeRun]:
     found: list[NodeRun] = []
     taken = set(ours.ranks)
     for d in reversed(run_dirs(ours.run_dir.parent)[-MAX_DIRS:]):
-        if d == ours.run_dir:
+        if d == ours.run_dir or not _same_owner(d, ours.run_dir):
             continue
         n = node_run(d)
         if n is None or n.identity != ours.identity or n.ranks & taken or not _overlap(n.span, ours.span):
@@ -138,6 +139,15 @@ def siblings(ours: NodeRun) -> list[NodeRun]:
         found.append(n)
         taken |= n.ranks
     return found
+
+
+def _same_owner(a: Path, b: Path) -> bool:
+    """A job's nodes run as one user: another user's directory in a shared --out is never joined
+    (it could hold made-up records matching our rendezvous)."""
+    try:
+        return os.lstat(a).st_uid == os.lstat(b).st_uid
+    except OSError:
+        return False
 
 
 def _claim(members: list[NodeRun], ours: NodeRun) -> Path | None:

@@ -9,6 +9,7 @@ The combined analysis of the real job: tests/test_e2e_probes.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -64,6 +65,9 @@ def test_the_other_node_of_the_job_is_found_and_no_other_run(tmp_path):
     assert [n.run_dir for n in siblings(node_run(b))] == [a]
     _run(out, "20261207-044617", "node_a")  # a directory holding our own rank 0: not another node
     assert [n.run_dir for n in siblings(ours)] == [b]
+    if os.geteuid() == 0:  # another user's copy of node b's run, newer than b: never joined
+        os.chown(_run(out, "20261207-044618", "node_b"), os.getuid() + 4242, -1)
+        assert [n.run_dir for n in siblings(ours)] == [b]
 
 
 def test_a_run_without_the_rendezvous_facts_joins_nothing(tmp_path):
