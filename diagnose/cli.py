@@ -327,8 +327,8 @@ def watch(run_dir: Path, interval: float, window: int, once: bool) -> None:
     try:
         pdir = probe_dir(run_dir, note)
         while True:
-            text = render(snapshot(pdir, window))
             finished = run_is_live(pdir) is False  # None: no lock file to tell (probes.watch() runs)
+            text = render(snapshot(pdir, window, ended=finished))
             if once:
                 if finished:
                     note(f"diagnose: {pdir}: the run has finished; its last steps:")

@@ -51,7 +51,9 @@ STALE_STEPS = 10
 stopped or is stuck, and the view says so instead of a provisional suspicion."""
 
 
-def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float | None = None) -> LiveView:
+def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float | None = None,
+             ended: bool = False) -> LiveView:
+    """ended: the run's launcher has finished (its lock released): quiet ranks are not stuck."""
     now = time.time() if now is None else now
     warnings: list[str] = []
     tails = {r: t[-window:] for r, t in live_tails(pdir, warnings).items() if t}
@@ -98,7 +100,9 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
     suspicion = f"{suspicion} (provisional: timings of the last {window} steps, no trace)"
     moving = progress(tails, now, min_s=STALE_MIN_S, steps=STALE_STEPS)
     quiet = min(moving.ages.values())
-    if len(moving.quiet) == len(moving.ages):
+    if ended:
+        suspicion = f"the run has ended; over its last steps: {suspicion}"
+    elif len(moving.quiet) == len(moving.ages):
         suspicion = (f"no rank has finished a step for {quiet:.0f} s: the job has stopped or is stuck "
                      f"(`diagnose hang` tells which); over its last steps: {suspicion}")
     return LiveView(tuple(ranks), slowest.rank, furthest - slowest.step, late_rank, late_ms, suspicion, window,

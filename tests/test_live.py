@@ -36,6 +36,29 @@ def test_a_job_that_stopped_is_said_to_have_stopped(tmp_path):
     assert "stopped" not in snapshot(tmp_path, window=20, now=now + 30 * 0.2 + 3).suspicion
 
 
+def test_a_run_that_ended_is_not_called_stuck(tmp_path):
+    """`diagnose watch --once` on a finished run (its launcher's lock released) said "the job has
+    stopped or is stuck (`diagnose hang` tells which)" under its own "the run has finished" line
+    until 2026-12-07."""
+    from click.testing import CliRunner
+
+    from diagnose.cli import main
+    from diagnose.rundir import LOCK, RunLock
+
+    now = 1_000_000.0
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    _write(traces, now)
+    view = snapshot(traces, window=20, now=now + 30 * 0.2 + 45, ended=True)
+    assert view.suspicion.startswith("the run has ended; over its last steps: straggler: rank 1")
+    RunLock.acquire(tmp_path).release()  # the lock file a finished `diagnose run` leaves, released
+    assert (tmp_path / LOCK).exists()
+    res = CliRunner().invoke(main, ["watch", str(tmp_path), "--once"])
+    assert res.exit_code == 0, res.output
+    assert "the run has finished" in res.output and "the run has ended" in res.output
+    assert "stuck" not in res.output, res.output
+
+
 def test_capture_on_a_job_whose_logs_went_stale_returns_at_once(tmp_path):
     import time
 
