@@ -17,7 +17,7 @@ from itertools import islice
 
 import numpy as np
 
-from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.analyzers.common import confidence_for, evaluation_spans, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
@@ -75,25 +75,15 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
         wait_ms = float(np.mean(covered(tl.dataloader, tl.steps.start, tl.steps.end))) / 1000
         no_grad = intersect(tl.dataloader, union(marks["ts"], marks["ts"] + marks["dur"]))
         no_grad_ms = float(np.mean(covered(no_grad, tl.steps.start, tl.steps.end))) / 1000
-        eval_ms = _evaluation_ms(marks["ts"].to_numpy(float), (marks["ts"] + marks["dur"]).to_numpy(float), tl)
+        eval_ms = _evaluation_ms(ev, tl)
     return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows,
                      wait_ms=wait_ms, no_grad_wait_ms=no_grad_ms, evaluation_ms=eval_ms)
 
 
-def _evaluation_ms(start: np.ndarray, end: np.ndarray, tl: RankTimeline) -> float:
-    """Mean per step of each step's span from its first marked fetch to the end of its last."""
-    s0, s1 = np.asarray(tl.steps.start, dtype=float), np.asarray(tl.steps.end, dtype=float)
-    k = np.searchsorted(s0, start, side="right") - 1
-    inside = (k >= 0) & (end <= s1[np.maximum(k, 0)])
-    if not inside.any():
-        return 0.0
-    k, start, end = k[inside], start[inside], end[inside]
-    first = np.full(len(s0), np.inf)
-    last = np.full(len(s0), -np.inf)
-    np.minimum.at(first, k, start)
-    np.maximum.at(last, k, end)
-    span = np.where(np.isfinite(first), last - first, 0.0)
-    return float(span.mean()) / 1000
+def _evaluation_ms(ev, tl: RankTimeline) -> float:
+    """Mean per step of each step's evaluation loop (common.evaluation_spans)."""
+    first, last = evaluation_spans(ev, tl)
+    return float(np.nan_to_num(last - first).mean()) / 1000 if len(first) else 0.0
 
 
 def _dataloader(ctx: Context, th: Thresholds) -> Check:
