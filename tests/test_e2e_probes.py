@@ -172,7 +172,7 @@ def test_a_job_over_two_nodes_is_analysed_once_with_every_rank(tmp_path):
     each other's run (diagnose/multinode.py) and one of them analyses every rank: rank 1, a
     straggler."""
     port = _free_port()
-    cmd = lambda node: [sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",  # noqa: E731
+    cmd = lambda node: [sys.executable, "-m", "diagnose.cli", "run", "--out", str(tmp_path), "--",
                         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
                         "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}",
                         str(EXAMPLE), "--steps", "16", "--straggler-rank", "1", "--straggler-ms", "100"]

@@ -34,7 +34,7 @@ def _raw(d: Path, rank: int) -> tuple[list[int], float, float]:
     steps = [s for s in steps if s["step"] > 0]  # step 0 is the start-up, never in the record
     inside = [s for s in steps if lo - 1000 <= s["start"] * 1e6 and s["start"] * 1e6 + s["dur_ms"] * 1e3 <= hi + 1000]
     others = [s for s in steps if s not in inside]
-    mean = lambda xs: sum(s["dur_ms"] for s in xs) / len(xs)  # noqa: E731
+    mean = lambda xs: sum(s["dur_ms"] for s in xs) / len(xs)
     return [s["step"] for s in inside], mean(inside), mean(others)
 
 
