@@ -271,7 +271,11 @@ def _with_other_nodes(run_dir: Path, traces: Path, d, nodes: int, echo: bool, li
     def say(text: str) -> None:
         click.echo(f"diagnose: {one_line(text)}", err=True)
 
-    found = find_together(run_dir, say)
+    try:
+        found = find_together(run_dir, say)
+    except KeyboardInterrupt:  # Ctrl-C while waiting for the other nodes: this node's analysis stands
+        say("stopped waiting for the other nodes' runs; this node's analysis above stands")
+        return
     if found is None:
         say(f"the job spans {nodes} nodes and this node's run directory holds rank(s) "
             f"{rank_ranges(d.run.ranks_found)} of {d.run.world_size}: its verdict cannot see the others. "
