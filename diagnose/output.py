@@ -194,8 +194,8 @@ def terminal_summary(d: Diagnosis) -> str:
     evaluation = d.extras.get("evaluation") or {}
     if evaluation.get("ms_per_step"):
         lines.append(f"evaluation: {evaluation['ms_per_step']:.1f} ms per step ({evaluation['share_of_step']:.0%}) "
-                     "of the profiled steps is a loop over a DataLoader with autograd off (its batches and forward "
-                     "passes): an evaluation inside the training steps")
+                     "of the profiled steps is an evaluation's loop over its DataLoader (its batches and forward "
+                     "passes) inside the training steps")
     if d.findings:
         lines.append("")
         lines.append("ranked causes:")

@@ -51,24 +51,46 @@ def _group_name(kwargs) -> str:
         return "group"
 
 
-NO_GRAD_BATCH = "diagnose: batch fetched with autograd off"
-"""The probes' trace annotation around each fetch of a DataLoader iterated with autograd off (an
-evaluation loop inside the training steps): the dataloader check tells that wait from the training
+EVAL_BATCH = "diagnose: evaluation batch"
+"""The probes' trace annotation around each fetch of an evaluation's DataLoader inside the training
+steps: one iterated with autograd off, or by a Trainer's evaluation loop (Hugging Face fetches its
+evaluation batches with autograd on). The dataloader check tells that wait from the training
 batches' (both are time the step loses, and their fixes are different loaders)."""
+NO_GRAD_BATCH = "diagnose: batch fetched with autograd off"
+"""The same annotation as the probes named it until 2026-12-07 (recorded traces hold it)."""
+EVAL_BATCH_NAMES = (EVAL_BATCH, NO_GRAD_BATCH)
+EVAL_LOOPS = frozenset({"evaluation_loop", "prediction_loop"})
+"""Hugging Face Trainer's loops over an evaluation DataLoader (transformers.trainer)."""
+
+
+def _in_trainer_evaluation(depth: int = 16) -> bool:
+    """Called (a few frames up) from a Hugging Face Trainer's evaluation loop: it iterates its
+    evaluation DataLoader with autograd on (its torch.no_grad() is inside prediction_step)."""
+    import sys
+
+    f = sys._getframe(2)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code.co_name in EVAL_LOOPS and str(f.f_globals.get("__name__", "")).startswith("transformers."):
+            return True
+        f = f.f_back
+    return False
 
 
 def timed_loader(probe: Probe, loader, it):
     """`it`, loader's iterator, timed; the loader's settings recorded as the training loader's,
-    or, iterated with autograd off, as the evaluation's (`dataloader_no_grad`)."""
+    or, an evaluation's (iterated with autograd off, or by a Trainer's evaluation loop), as
+    `dataloader_no_grad`, its fetches marked EVAL_BATCH."""
     import torch
 
     from .meta import loader_facts
 
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and not _in_trainer_evaluation():
         probe.meta.setdefault("dataloader", {}).update(loader_facts(loader))
         return _TimedIter(it, probe)
     probe.meta.setdefault("dataloader_no_grad", {}).update(loader_facts(loader))
-    return _TimedIter(it, probe, mark=NO_GRAD_BATCH)
+    return _TimedIter(it, probe, mark=EVAL_BATCH)
 
 
 class _TimedIter:

@@ -82,8 +82,8 @@ def _run_facts(run: dict, extras: dict | None = None) -> Iterator[str]:
     evaluation = _dict(_dict(extras).get("evaluation"))
     if num(evaluation.get("ms_per_step")):
         facts.append(("Evaluation in the steps", f"{fmt_ms(evaluation.get('ms_per_step'), 1)} per step "
-                      f"<span class=muted>({fmt_share(evaluation.get('share_of_step'))}: a loop with autograd "
-                      "off)</span>"))
+                      f"<span class=muted>({fmt_share(evaluation.get('share_of_step'))}: an evaluation's "
+                      "loop)</span>"))
     items = "".join(f"<div><dt>{k}</dt><dd>{v}</dd></div>" for k, v in facts)
     yield f'<dl class="facts">{items}</dl>'
     if means:

@@ -3,7 +3,8 @@
 A script that validates every N steps iterates a second DataLoader under torch.no_grad() inside
 the training steps. Until 2026-12-07 that wait read as the training loader's starvation, with the
 training loader's settings in the fix (and whichever loader was iterated last recorded as "the"
-DataLoader). The probes now mark each fetch made with autograd off (patches.NO_GRAD_BATCH) and
+DataLoader). The probes now mark each fetch made with autograd off (patches.EVAL_BATCH; the fixture
+holds its first name, NO_GRAD_BATCH) or by a Hugging Face Trainer's evaluation loop, and
 record that loader's settings apart; the dataloader check says what share of the wait is the
 evaluation's and names its loader.
 
@@ -16,7 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from diagnose.probes.patches import NO_GRAD_BATCH
+from diagnose.probes.patches import EVAL_BATCH, NO_GRAD_BATCH
 
 from diagnose.analyzers.dataloader import TITLE, TITLE_EVAL
 from diagnose.output import terminal_summary
@@ -67,7 +68,7 @@ def test_the_evaluations_wait_is_named_with_its_loader():
     assert f.fix.startswith("Of the wait, ") and "this run's evaluation loader: DataLoader(batch_size=32" in f.fix
     assert "This run: DataLoader(" not in f.fix
     check = next(c for c in d.checks if c.id == "dataloader_starvation")
-    assert "batches fetched with autograd off" in check.reason
+    assert "an evaluation's batches" in check.reason
 
 
 @pytest.mark.parametrize("fixture", ["cpu_straggler_dataloader_2rank", "gpu_h200/dataloader"])
@@ -141,5 +142,53 @@ def test_the_probe_marks_fetches_made_with_autograd_off(tmp_path):
     finally:
         undo()
     names = [e.name for e in prof.events()]
-    assert names.count(NO_GRAD_BATCH) == 3  # two batches and the fetch that ends the loop
-    assert probe.meta["dataloader"]["batch_size"] == 4 and probe.meta["dataloader_no_grad"]["batch_size"] == 3
+    assert names.count(EVAL_BATCH) == 3  # two batches and the fetch that ends the loop
+    assert probe.meta["dataloader_no_grad"]
+
+
+def test_a_hugging_face_trainers_evaluation_is_an_evaluation(tmp_path):
+    """Hugging Face fetches its evaluation batches with autograd on (its no_grad is inside
+    prediction_step): a real Trainer in process, trained and evaluated, the hook `diagnose run`
+    installs. Its training loader stays the training one; its evaluation loader's fetches are marked."""
+    transformers = pytest.importorskip("transformers")
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from diagnose.probes import patches
+    from diagnose.probes.core import Probe, Schedule
+
+    class Data(Dataset):
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            return {"x": torch.randn(8), "labels": torch.randn(1)}
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x, labels=None):
+            out = self.lin(x)
+            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
+                                          per_device_eval_batch_size=3, max_steps=2, report_to=[],
+                                          save_strategy="no", use_cpu=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=Model(), args=args, train_dataset=Data(16), eval_dataset=Data(6))
+    probe = Probe(tmp_path / "probe", rank=0, world_size=1, schedule=Schedule.parse("off"), strict_dir=False)
+    undo = patches._dataloader(probe)
+    try:
+        trainer.train()
+        # accelerate's loaders batch through a batch sampler (batch_size None): told apart by when
+        assert "dataloader_no_grad" not in probe.meta and probe.meta["dataloader"]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            trainer.evaluate()
+    finally:
+        undo()
+    assert probe.meta["dataloader_no_grad"]
+    assert [e.name for e in prof.events()].count(EVAL_BATCH) >= 2  # its two batches (and the loop's end)

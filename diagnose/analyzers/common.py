@@ -6,7 +6,7 @@ import pandas as pd
 
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP
 from diagnose.model import Check, Finding
-from diagnose.probes.patches import NO_GRAD_BATCH
+from diagnose.probes.patches import EVAL_BATCH_NAMES
 from diagnose.step.idle import IdleModel, completeness
 from diagnose.step.timeline import CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, RankTimeline, _names_matching, frames
 from diagnose.thresholds import Thresholds
@@ -141,11 +141,11 @@ def self_times(df: pd.DataFrame) -> np.ndarray:
 
 def evaluation_spans(ev: pd.DataFrame, tl: RankTimeline) -> tuple[np.ndarray, np.ndarray]:
     """Per profiled step, (start, end) of its evaluation loop: from its first DataLoader fetch the
-    probes marked as made with autograd off (probes/patches.NO_GRAD_BATCH) to the end of its last
+    probes marked as an evaluation's (probes/patches.EVAL_BATCH) to the end of its last
     (the fetch that ends the loop is marked too); NaN in steps without one. File clock, us."""
     n = len(tl.steps.start)
     first, last = np.full(n, np.inf), np.full(n, -np.inf)
-    marks = ev[(ev["name"] == NO_GRAD_BATCH).to_numpy()]
+    marks = ev[ev["name"].isin(EVAL_BATCH_NAMES).to_numpy()]
     if len(marks) and n:
         s0, s1 = np.asarray(tl.steps.start, dtype=float), np.asarray(tl.steps.end, dtype=float)
         start = marks["ts"].to_numpy(float)

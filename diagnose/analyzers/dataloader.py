@@ -21,7 +21,7 @@ from diagnose.analyzers.common import confidence_for, evaluation_spans, flag_or_
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
-from diagnose.probes.patches import NO_GRAD_BATCH
+from diagnose.probes.patches import EVAL_BATCH_NAMES
 from diagnose.step.cover import column
 from diagnose.step.intervals import covered, intersect, union
 from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _names_matching
@@ -34,7 +34,7 @@ FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=Tr
        "prefetch_factor=2..4, persistent_workers=True); move decoding/augmentation off the "
        "training process or cache preprocessed samples.")
 EVAL_NAMED = 0.25
-"""From this share of the worst rank's DataLoader wait in batches fetched with autograd off, the
+"""From this share of the worst rank's DataLoader wait in an evaluation's batches, the
 finding says so (and from half, leads its fix with the evaluation's loader)."""
 FIX_STALL = ("Copy inputs asynchronously: pin_memory=True in the DataLoader and "
              "tensor.to(device, non_blocking=True); avoid pageable host tensors in the step.")
@@ -51,7 +51,7 @@ class RankInput:
     wait_ms: float = 0.0
     """Mean per-step time in DataLoader fetches (hidden or not)."""
     no_grad_wait_ms: float = 0.0
-    """... of it in fetches the probes marked as made with autograd off (an evaluation's loader)."""
+    """... of it in fetches the probes marked as an evaluation's (patches.EVAL_BATCH)."""
     evaluation_ms: float = 0.0
     """Mean per-step time from the first marked fetch of a step to the end of its last (the fetch
     that ends the loop is marked too): an evaluation's whole loop, its forward passes included."""
@@ -70,7 +70,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
         exposed_ms = float(np.mean(covered(tl.input_copies, tl.steps.start, tl.steps.end))) / 1000
         h2d_rows = tuple(int(i) for i in cp.nlargest(2, "dur").index)
     wait_ms = no_grad_ms = eval_ms = 0.0
-    marks = ev[(ev["name"] == NO_GRAD_BATCH).to_numpy()]
+    marks = ev[ev["name"].isin(EVAL_BATCH_NAMES).to_numpy()]
     if len(marks) and len(tl.steps):
         wait_ms = float(np.mean(covered(tl.dataloader, tl.steps.start, tl.steps.end))) / 1000
         no_grad = intersect(tl.dataloader, union(marks["ts"], marks["ts"] + marks["dur"]))
@@ -134,10 +134,11 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
     if eval_share >= EVAL_NAMED:
         metrics["no_grad_share_of_wait"] = round(eval_share, 4)
         metrics["no_grad_dataloader_ms"] = round(ms * eval_share, 3)
-        eval_note = (f"; {eval_share:.0%} of that wait is batches fetched with autograd off (an evaluation "
-                     "inside the profiled steps)")
+        eval_note = (f"; {eval_share:.0%} of that wait is an evaluation's batches (a DataLoader iterated with "
+                     "autograd off, or by a Trainer's evaluation loop, inside the profiled steps)")
         evaluation = (f"Of the wait, {eval_share:.0%} is an evaluation's batches (a DataLoader iterated "
-                      "with autograd off inside the training steps): give that loader workers, evaluate less "
+                      "with autograd off, or by a Trainer's evaluation loop, inside the training steps): give "
+                      "that loader workers, evaluate less "
                       "often or on fewer batches, or run the evaluation elsewhere"
                       + (f" (this run's evaluation loader: {_loader(eval_cfg)})" if eval_cfg else "") + ".")
         # mostly the evaluation's: the training loader's settings are beside the point
