@@ -151,11 +151,10 @@ def test_a_hugging_face_trainers_evaluation_is_an_evaluation(tmp_path):
     prediction_step): a real Trainer in process, trained and evaluated, the hook `diagnose run`
     installs. Its training loader stays the training one; its evaluation loader's fetches are marked."""
     transformers = pytest.importorskip("transformers")
-    from torch import nn
-    from torch.utils.data import Dataset
-
     from diagnose.probes import patches
     from diagnose.probes.core import Probe, Schedule
+    from torch import nn
+    from torch.utils.data import Dataset
 
     class Data(Dataset):
         def __init__(self, n):
