@@ -245,8 +245,9 @@ def _evaluation_extra(ctx: Context) -> dict:
     ms = float(np.median(per_rank))
     return {"ms_per_step": round(ms, 3), "share_of_step": round(ms / ctx.mean_step_ms, 4), "ranks": len(per_rank),
             "definition": "median over the ranks with one of the mean per step of the time from a step's first "
-                          "fetch of an evaluation's DataLoader (probes/patches.EVAL_BATCH) to the end of its last (the fetch that ends the "
-                          "loop included): the evaluation's loop, its batches' wait and forward passes"}
+                          "fetch of an evaluation's DataLoader (probes/patches.EVAL_BATCH) to the end of its last "
+                          "(the fetch that ends the loop included): the evaluation's loop, its batches' wait and "
+                          "forward passes"}
 
 
 MAX_LATENESS_COLUMNS = 200

@@ -176,7 +176,7 @@ def terminal_summary(d: Diagnosis) -> str:
                      f"{rank_ranges(r.ranks_missing)} missing): a cause there is not seen, and waiting for them reads "
                      "as communication here; analyse every rank's traces together")
     window = d.extras.get("window") or {}
-    if window.get("unlike") and f is not None and f.kind != "capacity":
+    if window.get("unlike") and (f is None or f.kind != "capacity"):  # "nothing found" from an unusual window too
         from diagnose.step.window import caution
 
         lines.append(f"  caution: {one_line(caution(window))}")

@@ -41,7 +41,7 @@ def _headline(d: dict) -> str:
     counts = {s: sum(1 for c in checks if _dict(c).get("status") == s) for s in STATUS_LABEL}
     return (f'<p class="headline"><strong>No significant cause found.</strong> '
             f'{counts["passed"]} check(s) passed, {counts["not_measurable"]} could not be measured; '
-            f'the step breakdown below shows where the time goes.</p>')
+            f'the step breakdown below shows where the time goes.</p>' + _window(d))
 
 
 def _window(d: dict) -> str:

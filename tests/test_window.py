@@ -90,3 +90,15 @@ def test_host_timed_steps_of_a_gpu_job_are_not_compared():
     """none_long: the probes timed only the host, which ran ahead of its device (2.6 ms host steps
     in the window, 10.4 ms over the run as the launch queue filled, a 12.7 ms job throughout)."""
     assert "window" not in diagnose_paths([FIXTURES / "gpu_h200" / "none_long"]).extras
+
+
+def test_no_cause_found_from_an_unusual_window_says_so_too():
+    """"Nothing found" is the verdict an unusual window misleads most with (the steps before a
+    slowdown): the caution sits beside it as beside a cause."""
+    from dataclasses import replace
+
+    d = replace(diagnose_paths([UNLIKE]), findings=())
+    summary = terminal_summary(d)
+    assert summary.startswith("VERDICT: no significant cause found")
+    assert "\n  caution: the profiled steps 47-51 ran at a median" in summary.split("\n\n")[0], summary
+    assert "Caution: the profiled steps 47-51" in render(diagnosis_dict(d))
