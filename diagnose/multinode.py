@@ -87,13 +87,17 @@ def node_run(run_dir: Path) -> NodeRun | None:
     envs = [m.get("env") for m in metas.values() if isinstance(m.get("env"), dict)]
     if not envs:
         return None
-    identity = tuple(str(envs[0][k]) if envs[0].get(k) is not None else None for k in IDENTITY)
-    if identity[0] is None or identity[1] is None or identity[2] is None:
+    identity = _identity(envs[0])
+    if None in identity[:3]:  # no address, port or world size: nothing to tell the job by
         return None
-    if any(tuple(str(e[k]) if e.get(k) is not None else None for k in IDENTITY) != identity for e in envs):
+    if any(_identity(e) != identity for e in envs):
         return None  # ranks of different jobs in one directory: not one node's run
     span = (min(starts), max(ends)) if starts and ends else None
     return NodeRun(run_dir=run_dir, traces=traces, ranks=frozenset(metas), identity=identity, span=span)
+
+
+def _identity(env: dict) -> tuple[str | None, ...]:
+    return tuple(None if env.get(k) is None else str(env[k]) for k in IDENTITY)
 
 
 def _record_span(path: Path) -> tuple[float, float] | None:

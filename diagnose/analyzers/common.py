@@ -139,13 +139,17 @@ def self_times(df: pd.DataFrame) -> np.ndarray:
     return np.maximum(self_t, 0.0)
 
 
-def evaluation_spans(ev: pd.DataFrame, tl: RankTimeline) -> tuple[np.ndarray, np.ndarray]:
-    """Per profiled step, (start, end) of its evaluation loop: from its first DataLoader fetch the
-    probes marked as an evaluation's (probes/patches.EVAL_BATCH) to the end of its last
-    (the fetch that ends the loop is marked too); NaN in steps without one. File clock, us."""
+def evaluation_marks(ev: pd.DataFrame) -> pd.DataFrame:
+    """The DataLoader fetches the probes marked as an evaluation's (probes/patches.EVAL_BATCH)."""
+    return ev[ev["name"].isin(EVAL_BATCH_NAMES).to_numpy()]
+
+
+def evaluation_spans(marks: pd.DataFrame, tl: RankTimeline) -> tuple[np.ndarray, np.ndarray]:
+    """Per profiled step, (start, end) of its evaluation loop: from its first marked fetch
+    (evaluation_marks) to the end of its last (the fetch that ends the loop is marked too); NaN in
+    steps without one. File clock, us."""
     n = len(tl.steps.start)
     first, last = np.full(n, np.inf), np.full(n, -np.inf)
-    marks = ev[ev["name"].isin(EVAL_BATCH_NAMES).to_numpy()]
     if len(marks) and n:
         s0, s1 = np.asarray(tl.steps.start, dtype=float), np.asarray(tl.steps.end, dtype=float)
         start = marks["ts"].to_numpy(float)
@@ -156,4 +160,3 @@ def evaluation_spans(ev: pd.DataFrame, tl: RankTimeline) -> tuple[np.ndarray, np
         np.maximum.at(last, k[inside], end[inside])
     found = np.isfinite(first)
     return np.where(found, first, np.nan), np.where(found, last, np.nan)
-

@@ -17,11 +17,11 @@ from itertools import islice
 
 import numpy as np
 
-from diagnose.analyzers.common import confidence_for, evaluation_spans, flag_or_pass, not_measurable
+from diagnose.analyzers.common import (confidence_for, evaluation_marks, evaluation_spans, flag_or_pass,
+                                      not_measurable)
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
-from diagnose.probes.patches import EVAL_BATCH_NAMES
 from diagnose.step.cover import column
 from diagnose.step.intervals import covered, intersect, union
 from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _names_matching
@@ -70,20 +70,15 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
         exposed_ms = float(np.mean(covered(tl.input_copies, tl.steps.start, tl.steps.end))) / 1000
         h2d_rows = tuple(int(i) for i in cp.nlargest(2, "dur").index)
     wait_ms = no_grad_ms = eval_ms = 0.0
-    marks = ev[ev["name"].isin(EVAL_BATCH_NAMES).to_numpy()]
+    marks = evaluation_marks(ev)
     if len(marks) and len(tl.steps):
         wait_ms = float(np.mean(covered(tl.dataloader, tl.steps.start, tl.steps.end))) / 1000
         no_grad = intersect(tl.dataloader, union(marks["ts"], marks["ts"] + marks["dur"]))
         no_grad_ms = float(np.mean(covered(no_grad, tl.steps.start, tl.steps.end))) / 1000
-        eval_ms = _evaluation_ms(ev, tl)
+        first, last = evaluation_spans(marks, tl)  # the evaluation's whole loop, a step's
+        eval_ms = float(np.nan_to_num(last - first).mean()) / 1000
     return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows,
                      wait_ms=wait_ms, no_grad_wait_ms=no_grad_ms, evaluation_ms=eval_ms)
-
-
-def _evaluation_ms(ev, tl: RankTimeline) -> float:
-    """Mean per step of each step's evaluation loop (common.evaluation_spans)."""
-    first, last = evaluation_spans(ev, tl)
-    return float(np.nan_to_num(last - first).mean()) / 1000 if len(first) else 0.0
 
 
 def _dataloader(ctx: Context, th: Thresholds) -> Check:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diagnose.analyzers.common import confidence_for, evaluation_spans, flag_or_pass, passed
+from diagnose.analyzers.common import confidence_for, evaluation_marks, evaluation_spans, flag_or_pass, passed
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, RankTrace
 from diagnose.model import Check, Finding
@@ -78,7 +78,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> Accumulation:
     starts_all = fw["ts"].to_numpy()
     # an evaluation inside the step (its fetches marked by the probes) runs DDP forwards that are
     # no micro-batches: left out (a validation every N steps read as N-fold accumulation)
-    e0, e1 = evaluation_spans(ev, tl)
+    e0, e1 = evaluation_spans(evaluation_marks(ev), tl)
     for a, b in zip(e0[~np.isnan(e0)], e1[~np.isnan(e1)]):
         starts_all = starts_all[(starts_all < a) | (starts_all > b)]
     exposed = subtract(tl.comm, tl.compute)
