@@ -1,27 +1,27 @@
 """The one-way pipeline: traces -> Run -> Context -> checklist -> ranked Diagnosis."""
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 
 from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.context import Context, build_context, prune_dead_views
+from diagnose.errors import one_line
 from diagnose.extras import report_extras
-from diagnose.errors import DiagnoseError, one_line
-from diagnose.ingest.assemble import Progress, Reader, Run, load_run
-from diagnose.ingest.discover import discover_traces, has_traces
 from diagnose.heap import give_back_freed
+from diagnose.ingest.assemble import Progress, Reader, Run, load_run
+from diagnose.ingest.discover import has_traces
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
+from diagnose.ingest.windows import choose_window
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
-from diagnose.probedata import ProbeData, has_records, load_probe_data
+from diagnose.probedata import ProbeData, load_probe_data
 from diagnose.rundir import last_attempt
 from diagnose.step.breakdown import BreakdownRows
 from diagnose.step.link import LinkSpec
+from diagnose.step.window import window_against_run
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.units import rank_ranges
 from diagnose.whatif import StepModel, annotate
-from diagnose.step.window import window_against_run
 
 _ORDER = {cid: i for i, cid in enumerate(CHECK_ORDER)}
 """A check's place in the checklist's order (CHECK_ORDER)."""
@@ -157,47 +157,11 @@ def last_attempts(paths: list[str | Path]) -> tuple[list[str | Path], list[str]]
     return out, notes
 
 
-_WINDOW_FILE = re.compile(r"^rank(\d+)\.(\d+)\.pt\.trace\.json(\.gz)?$")
-"""A trace the probes wrote for one profiled window (probes/core.py: rank{R}.{ms}.pt.trace.json.gz)."""
-
-
 def last_windows(paths: list[str | Path]) -> tuple[list[str | Path], list[str]]:
-    """A run directory's traces from a schedule that repeats (`--schedule W,U,A,R`, R > 1: one file
-    a rank a window) replaced by its last window every rank wrote, with a line naming the others.
-    Several traces a rank anywhere else stay an error (mixed runs are refused, never guessed)."""
-    out: list[str | Path] = []
-    notes = []
-    for p in paths:
-        d = Path(p)
-        try:
-            files = discover_traces([d]) if d.is_dir() else []
-        except DiagnoseError:
-            files = []  # said where the traces are read
-        parents = {f.parent for f in files}
-        if len(parents) != 1 or not has_records(next(iter(parents))):
-            out.append(p)
-            continue
-        d = next(iter(parents))
-        windows: dict[int, list[tuple[int, Path]]] = {}
-        others = False
-        for f in files:
-            m = _WINDOW_FILE.match(f.name)
-            if m is None:
-                others = True
-                break
-            windows.setdefault(int(m.group(1)), []).append((int(m.group(2)), f))
-        counts = {len(v) for v in windows.values()}
-        if others or not windows or max(counts) < 2:
-            out.append(p)
-            continue
-        k = min(counts)  # the last window every rank wrote
-        for v in windows.values():
-            v.sort()
-        out += [v[k - 1][1] for _, v in sorted(windows.items())]
-        notes.append(f"{d}: {max(counts)} profiled windows a rank (a repeating --schedule); the last every rank "
-                     f"wrote (window {k}) is analysed; pass another window's files (rank*.STAMP.pt.trace.json.gz, "
-                     "the k-th stamp of each rank) to analyse it")
-    return out, notes
+    """The paths narrowed to one trace a rank where they hold one run's repeated profiler windows
+    (ingest/windows.py), with a line saying which; else as they are."""
+    choice = choose_window(paths)
+    return (list(paths), []) if choice is None else (list(choice.files), [choice.note])
 
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -211,7 +175,7 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     paths, restarted = last_attempts(paths)
     paths, windows = last_windows(paths)
     if probe_paths is None and windows and reader is None:
-        probe_paths = [p if Path(p).is_dir() else Path(p).parent for p in paths]
+        probe_paths = list(dict.fromkeys(p if Path(p).is_dir() else Path(p).parent for p in paths))
     run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress, reader=reader)
     run.warnings.extend(restarted + windows)
     if probe_paths is None:

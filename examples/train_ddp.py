@@ -153,6 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-hook", choices=("none", "bf16"), help="DDP gradient compression hook")
     p.add_argument("--embedding-rows", type=int, help="a hashed lookup table of this many rows first (0: none)")
     p.add_argument("--trace-dir", default=None, help="record torch.profiler traces here")
+    p.add_argument("--trace-default-names", action="store_true",
+                   help="name the traces as tensorboard_trace_handler does by default ({host}_{pid}.{ns}), "
+                        "not rank{R}.{ns}")
     p.add_argument("--profile-wait", type=int, default=2)
     p.add_argument("--profile-warmup", type=int, default=2)
     p.add_argument("--profile-active", type=int, default=5)
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
                 repeat=args.profile_repeat,
             ),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                args.trace_dir, worker_name=f"rank{rank}", use_gzip=True
+                args.trace_dir, worker_name=None if args.trace_default_names else f"rank{rank}", use_gzip=True
             ),
             record_shapes=True,
         )

@@ -19,6 +19,20 @@ def test_straggler_rank1_is_named(tmp_path):
     assert d.findings[0].recoverable_ms > 80
 
 
+def test_a_jobs_own_profiler_repeating_until_the_end_is_read_from_its_last_whole_window(tmp_path):
+    """torch's default schedule repeats (repeat=0) and the default names are {host}_{pid}.{ns}:
+    a trace a rank a window, the last cut by the run's end. Until 2026-12-07: "two traces for
+    rank 0 ... mixed runs?". Now window 2 of 3 (the third holds one step whole of two)."""
+    res = torchrun(tmp_path, "--pathology", "straggler", "--steps", "11", "--trace-default-names",
+                   "--profile-repeat", "0", "--profile-wait", "1", "--profile-warmup", "1", "--profile-active", "2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(list(tmp_path.glob("*.pt.trace.json.gz"))) == 6
+    d = diagnose_paths([tmp_path])
+    assert d.run.steps_analysed == 2
+    assert any("3 profiled windows a rank" in w and "(window 2) is analysed" in w for w in d.warnings), d.warnings
+    assert d.findings[0].id == "straggler" and d.findings[0].ranks == (1,)
+
+
 def test_three_of_eight_ranks_late_together_are_named_together(tmp_path):
     """A slow host's ranks: 5, 6 and 7 sleep 300 ms a step together. Each one alone sets no step's
     end (its two peers are as late), so single-rank effects are small; before the late group, this

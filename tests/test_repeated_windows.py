@@ -1,20 +1,25 @@
-"""A run profiled in several windows (`--schedule W,U,A,R`, R > 1): one trace a rank a window.
+"""A run profiled in several windows: one trace a rank a window (diagnose/ingest/windows.py).
 
-tests/fixtures/cpu_repeated_windows_2rank (README there) was refused until 2026-12-07 ("two traces
-for rank 0 ... mixed runs?"), by `diagnose run` itself at the end of the run. The last window every
-rank wrote is analysed now, and the warning says so; traces without the probes' records stay
-refused (several traces a rank there may be two runs)."""
+tests/fixtures/cpu_repeated_windows_2rank (the probes' `--schedule W,U,A,R`, R > 1) and
+cpu_repeat_default_names_2rank (a job's own profiler, torch's default `repeat=0`, the default file
+names; READMEs there) were refused until 2026-12-07 ("two traces for rank 0 ... mixed runs?").
+The last whole window every rank wrote is analysed now, and the warning says so; traces of two
+processes under one name, or a copied file, stay refused."""
 from __future__ import annotations
 
+import gzip
 import shutil
 from pathlib import Path
 
 import pytest
 
 from diagnose.errors import DiagnoseError
+from diagnose.ingest.windows import choose_window, read_header
 from diagnose.pipeline import diagnose_paths
 
-RUN = Path(__file__).parent / "fixtures" / "cpu_repeated_windows_2rank"
+FIXTURES = Path(__file__).parent / "fixtures"
+RUN = FIXTURES / "cpu_repeated_windows_2rank"
+OWN = FIXTURES / "cpu_repeat_default_names_2rank"
 
 
 def _stamps(rank: int) -> list[str]:
@@ -38,8 +43,68 @@ def test_the_last_window_every_rank_wrote_when_one_rank_wrote_fewer(tmp_path):
     assert any("(window 1) is analysed" in w for w in d.warnings), d.warnings
 
 
-def test_several_traces_a_rank_without_the_probes_records_are_still_refused(tmp_path):
+def test_the_windows_are_one_runs_without_the_probes_records_too(tmp_path):
+    """The pids, hosts and ranks in the files' first bytes say one process a rank, not the records."""
     for f in RUN.glob("*.pt.trace.json.gz"):
         shutil.copy(f, tmp_path / f.name)
+    d = diagnose_paths([tmp_path])
+    assert {int(r): Path(f).name for r, f in d.run.files.items()} == {0: _stamps(0)[-1], 1: _stamps(1)[-1]}
+
+
+def _own(stem: str) -> list[str]:
+    return sorted(p.name for p in OWN.glob(f"{stem}.*.pt.trace.json.gz"))
+
+
+def test_a_jobs_own_repeating_profiler_the_last_whole_window_not_the_cut_one():
+    """Three windows a rank, the third cut by the run's end (one step whole of two, half the size):
+    window 2's two steps are analysed, and the warning names the cut one."""
+    d = diagnose_paths([OWN])
+    assert {int(r): Path(f).name for r, f in d.run.files.items()} == {0: _own("vm_6237")[1], 1: _own("vm_6238")[1]}
+    assert d.run.steps_analysed == 2
+    note = next(w for w in d.warnings if "profiled windows" in w)
+    assert "3 profiled windows a rank" in note and "(window 2) is analysed" in note
+    assert "window 3 looks cut short" in note
+
+
+def test_the_cut_window_is_analysed_when_the_user_names_its_files():
+    files = [OWN / _own("vm_6237")[2], OWN / _own("vm_6238")[2]]
+    d = diagnose_paths(files)
+    assert d.run.steps_analysed == 1 and not any("profiled windows" in w for w in d.warnings)
+
+
+def test_two_runs_under_one_name_are_still_refused(tmp_path):
+    """rank0.STAMP of two jobs (a second run into the same --trace-dir): two processes, two runs."""
+    for f in RUN.glob("*.pt.trace.json.gz"):
+        if f.name in (_stamps(0)[0], _stamps(1)[0]):
+            shutil.copy(f, tmp_path / f.name)
+    for f in (FIXTURES / "cpu_straggler_2rank").glob("*.pt.trace.json.gz"):
+        shutil.copy(f, tmp_path / f.name)
+    assert choose_window([tmp_path]) is None
     with pytest.raises(DiagnoseError, match="two traces for rank 0"):
         diagnose_paths([tmp_path])
+
+
+def test_a_copied_window_is_not_a_second_window(tmp_path):
+    """The same file under another stamp starts when it starts: not one process's next window."""
+    for f in RUN.glob("*.pt.trace.json.gz"):
+        if f.name in (_stamps(0)[0], _stamps(1)[0]):
+            shutil.copy(f, tmp_path / f.name)
+    stem, stamp, rest = _stamps(0)[0].split(".", 2)
+    shutil.copy(RUN / _stamps(0)[0], tmp_path / f"{stem}.{int(stamp) + 1000}.{rest}")
+    assert choose_window([tmp_path]) is None
+    with pytest.raises(DiagnoseError, match="two traces for rank 0"):
+        diagnose_paths([tmp_path])
+
+
+def test_the_header_names_rank_host_and_process(tmp_path):
+    h = read_header(OWN / _own("vm_6238")[0])
+    assert (h.rank, h.host, h.pid) == (1, "vm", 6238)
+    later = read_header(OWN / _own("vm_6238")[1])
+    assert later.start_us > h.start_us
+    plain = tmp_path / "plain.json"  # not compressed: the same header
+    plain.write_bytes(gzip.decompress((OWN / _own("vm_6238")[0]).read_bytes()))
+    assert read_header(plain) == h
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    assert read_header(tmp_path / "other.json") is None
+    (tmp_path / "cut.json.gz").write_bytes((OWN / _own("vm_6238")[0]).read_bytes()[:200])
+    assert read_header(tmp_path / "cut.json.gz") is None

@@ -366,3 +366,29 @@ def _whole_document(b: _Buffer, sink: Sink, path: Path) -> StreamResult:
     for i in range(0, len(events), SLICE):
         _emit(sink, res, events[i: i + SLICE])
     return res
+
+
+def peek(data: bytes) -> tuple[dict, list] | None:
+    """The metadata before the events and the whole events among the first bytes of a Kineto
+    trace (`data`: its start, cut anywhere), or None where they are not in Kineto's layout.
+    For telling files apart before reading them (ingest/windows.py), never for analysis."""
+    first, start = NONWS.search(data), START.search(data)
+    if first is None or start is None or data[first.start()] != ord("{"):
+        return None
+    try:
+        meta = _meta(data[: start.end() - 1], "}")
+    except TooDeep:
+        return None
+    if meta is None:
+        return None
+    body = data[start.end():]
+    m = _last_sep(bytearray(body))
+    if m is None:
+        return meta, []
+    evs = _fast(body[: m.start() + 1])
+    if evs is None:  # a false boundary or a lenient event: read them one by one
+        try:
+            evs = _scan(decode_text(body[: m.start() + 1])[0])[0]
+        except TooDeep:
+            return None
+    return meta, evs

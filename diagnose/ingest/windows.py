@@ -1,0 +1,163 @@
+"""One run profiled in several windows: one trace a rank a window, the last whole one analysed.
+
+torch.profiler's schedule repeats (`schedule(wait, warmup, active)` repeats until the profiler
+stops: its `repeat=0` is the default) and `tensorboard_trace_handler` writes each window to a file
+of its own, `{worker}.{time_ns}.pt.trace.json[.gz]` (`worker`: `{host}_{pid}` unless the job names
+it); the probes' `--schedule W,U,A,R` write `rank{R}.{ms}.pt.trace.json.gz` the same way. A job
+that ends inside a window writes that window cut short (torch's `stop()` exports what it has).
+
+Several traces a rank are only taken for one run's windows where each file says so: the files of
+one name stem come from one process (the same pid, host and rank in their first bytes) and start
+one after the other. Anything else (two runs written into one directory, a file copied) stays the
+loader's "two traces for rank R" error: mixed runs are refused, never guessed.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+import statistics
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from diagnose.errors import DiagnoseError
+from diagnose.ingest.discover import discover_traces
+from diagnose.ingest.source import GZIP_MAGIC
+from diagnose.ingest.stream import peek
+
+STAMPED = re.compile(r"^(.+)\.(\d+)\.pt\.trace\.json(\.gz)?$")
+"""`{stem}.{stamp}.pt.trace.json[.gz]`: the name a window's trace gets (tensorboard_trace_handler,
+probes/core.py)."""
+PEEK_BYTES = 256 << 10
+"""Decompressed bytes read of each file: Kineto writes the rank, host and process first."""
+WHOLE = 0.75
+"""A window whose file is under this share of its stem's median window is taken for one the run
+ended inside (fewer steps, or none whole): the last whole window is analysed instead. Windows of
+one schedule record the same steps, so their files are of a size; a cut one is a fraction."""
+_HOST_CATS = frozenset({"cpu_op", "Operator", "user_annotation", "python_function", "cuda_runtime",
+                        "Runtime", "cuda_driver"})
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What a trace's first bytes say of where it came from."""
+
+    rank: int | None
+    host: str | None
+    pid: int | None
+    start_us: float | None
+    """The earliest host event or process record among the first bytes, on the absolute clock
+    where the file gives its base (same process: same clock either way)."""
+
+
+def _first_bytes(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(64 << 10)
+        if data[:2] != GZIP_MAGIC:
+            return data + f.read(max(0, PEEK_BYTES - len(data)))
+        z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        out = bytearray()
+        while len(out) < PEEK_BYTES and data:
+            out += z.decompress(data, PEEK_BYTES - len(out))
+            data = z.unconsumed_tail or (b"" if z.eof else f.read(64 << 10))
+        return bytes(out)
+
+
+def read_header(path: Path) -> Header | None:
+    """None where the first bytes are not a Kineto trace's (or cannot be read)."""
+    try:
+        got = peek(_first_bytes(path))
+    except (OSError, zlib.error, ValueError):
+        return None
+    if got is None:
+        return None
+    meta, events = got
+    info = meta.get("distributedInfo")
+    rank = info.get("rank") if isinstance(info, dict) else None
+    host = meta.get("host_name")
+    base = meta.get("baseTimeNanoseconds")
+    off = base / 1000 if type(base) is int and base > 0 else 0.0
+    pid, starts = None, []
+    for e in events:
+        if not isinstance(e, dict) or type(e.get("ts")) not in (int, float):
+            continue
+        if e.get("ph") == "X" and e.get("cat") in _HOST_CATS:
+            pid = e.get("pid") if pid is None else pid
+            starts.append(e["ts"])
+        elif e.get("ph") == "M" and e.get("name") == "process_name":
+            starts.append(e["ts"])
+    if pid is None:  # no host event among the first bytes: the process record names it
+        pid = next((e.get("pid") for e in events if isinstance(e, dict) and e.get("ph") == "M"
+                    and e.get("name") == "process_name"), None)
+    return Header(rank=rank if type(rank) is int else None, host=host if isinstance(host, str) else None,
+                  pid=pid if type(pid) is int else None, start_us=min(starts) + off if starts else None)
+
+
+def _one_process(files: list[Path]) -> list[Path] | None:
+    """The files in the order they were recorded if they are one process's windows, else None."""
+    heads = [read_header(f) for f in files]
+    if any(h is None or h.pid is None or h.start_us is None for h in heads):
+        return None
+    ids = {(h.rank, h.host, h.pid) for h in heads}  # type: ignore[union-attr]
+    if len(ids) != 1:
+        return None
+    order = sorted(range(len(files)), key=lambda i: heads[i].start_us)  # type: ignore[union-attr]
+    starts = [heads[i].start_us for i in order]  # type: ignore[union-attr]
+    if any(b <= a for a, b in itertools.pairwise(starts)):  # a copy: the same start twice
+        return None
+    return [files[i] for i in order]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    files: list[Path]
+    """One window's trace a rank: the last whole window every rank wrote."""
+    note: str
+
+
+def _size(f: Path) -> int:
+    try:
+        return f.stat().st_size
+    except OSError:
+        return 0
+
+
+def choose_window(paths: list[str | Path]) -> Choice | None:
+    """The traces of `paths` narrowed to one window a rank where they are one run's repeated
+    windows (module doc); None where they are not (the paths are read as they are)."""
+    try:
+        files = discover_traces(paths)
+    except DiagnoseError:
+        return None  # said where the traces are read
+    stems: dict[tuple[Path, str], list[Path]] = {}
+    for f in files:
+        m = STAMPED.match(f.name)
+        if m is None:
+            return None  # a trace of another kind beside them: not windows alone
+        stems.setdefault((f.parent, m.group(1)), []).append(f)
+    if max((len(v) for v in stems.values()), default=0) < 2:
+        return None
+    ordered: dict[tuple[Path, str], list[Path]] = {}
+    for key, group in sorted(stems.items()):
+        got = _one_process(group) if len(group) > 1 else group
+        if got is None:
+            return None
+        ordered[key] = got
+    common = min(len(v) for v in ordered.values())
+    short = set()
+    for v in ordered.values():
+        if len(v) > 1:
+            sizes = [_size(f) for f in v]
+            mid = statistics.median(sizes)
+            short |= {k + 1 for k, s in enumerate(sizes) if s < WHOLE * mid}
+    whole = [k for k in range(1, common + 1) if k not in short]
+    k = whole[-1] if whole else common
+    most = max(len(v) for v in ordered.values())
+    where = ", ".join(sorted({str(p) for p, _ in ordered}))
+    cut = sorted(w for w in short if w > k and w <= most)
+    note = (f"{where}: {most} profiled windows a rank (a repeating profiler schedule writes one trace a "
+            f"window); the last whole one every rank wrote (window {k}) is analysed"
+            + (f"; window {', '.join(map(str, cut))} looks cut short by the run's end (a smaller trace)"
+               if cut else "")
+            + "; pass one window's files (one a rank) to analyse another")
+    return Choice(files=[v[k - 1] for v in ordered.values()], note=note)
