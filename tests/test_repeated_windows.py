@@ -108,3 +108,42 @@ def test_the_header_names_rank_host_and_process(tmp_path):
     assert read_header(tmp_path / "other.json") is None
     (tmp_path / "cut.json.gz").write_bytes((OWN / _own("vm_6238")[0]).read_bytes()[:200])
     assert read_header(tmp_path / "cut.json.gz") is None
+
+
+def _lay_out(root: Path, where) -> None:
+    """The fixture's windows copied to root/where(rank, window index, file)."""
+    for r, stem in enumerate(("vm_6237", "vm_6238")):
+        for i, name in enumerate(_own(stem)):
+            to = root / where(r, i, name)
+            to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(OWN / name, to)
+
+
+def test_a_subdirectory_a_window_as_torchtitan_writes_them(tmp_path):
+    """torchtitan: profile_trace/iteration_N/rank{R}_trace.json (same names in every window)."""
+    _lay_out(tmp_path, lambda r, i, _: f"iteration_{4 * (i + 1)}/rank{r}_trace.json.gz")
+    d = diagnose_paths([tmp_path])
+    assert sorted(Path(f).parent.name for f in d.run.files.values()) == ["iteration_8"] * 2
+    assert d.run.steps_analysed == 2
+    assert any("(window 2: iteration_8) is analysed" in w for w in d.warnings), d.warnings
+
+
+def test_a_subdirectory_a_rank(tmp_path):
+    _lay_out(tmp_path, lambda r, i, name: f"rank_{r}/{name}")
+    d = diagnose_paths([tmp_path])
+    assert {int(r): Path(f).name for r, f in d.run.files.items()} == {0: _own("vm_6237")[1], 1: _own("vm_6238")[1]}
+    one = tmp_path / "one"  # a trace a rank, no windows: read together
+    _lay_out(one, lambda r, i, name: f"rank_{r}/{name}" if i == 0 else f"../unused/{name}")
+    d = diagnose_paths([one])
+    assert sorted(d.run.files) == [0, 1] and any("a trace a rank in its subdirectories" in w for w in d.warnings)
+
+
+def test_two_runs_in_two_subdirectories_are_still_refused(tmp_path):
+    for f in RUN.glob("*.pt.trace.json.gz"):
+        if f.name in (_stamps(0)[0], _stamps(1)[0]):
+            (tmp_path / "run_a").mkdir(exist_ok=True)
+            shutil.copy(f, tmp_path / "run_a" / f.name)
+    shutil.copytree(FIXTURES / "cpu_straggler_2rank", tmp_path / "run_b")
+    assert choose_window([tmp_path]) is None
+    with pytest.raises(DiagnoseError, match="several subdirectories"):
+        diagnose_paths([tmp_path])

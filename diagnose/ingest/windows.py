@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diagnose.errors import DiagnoseError
-from diagnose.ingest.discover import discover_traces
+from diagnose.ingest.discover import discover_traces, has_traces, rank_from_name
 from diagnose.ingest.source import GZIP_MAGIC
 from diagnose.ingest.stream import peek
+from diagnose.rundir import ATTEMPT
 
 STAMPED = re.compile(r"^(.+)\.(\d+)\.pt\.trace\.json(\.gz)?$")
 """`{stem}.{stamp}.pt.trace.json[.gz]`: the name a window's trace gets (tensorboard_trace_handler,
@@ -93,9 +94,8 @@ def read_header(path: Path) -> Header | None:
                   pid=pid if type(pid) is int else None, start_us=min(starts) + off if starts else None)
 
 
-def _one_process(files: list[Path]) -> list[Path] | None:
+def _one_process(files: list[Path], heads: list[Header | None]) -> list[Path] | None:
     """The files in the order they were recorded if they are one process's windows, else None."""
-    heads = [read_header(f) for f in files]
     if any(h is None or h.pid is None or h.start_us is None for h in heads):
         return None
     ids = {(h.rank, h.host, h.pid) for h in heads}  # type: ignore[union-attr]
@@ -122,24 +122,78 @@ def _size(f: Path) -> int:
         return 0
 
 
-def choose_window(paths: list[str | Path]) -> Choice | None:
-    """The traces of `paths` narrowed to one window a rank where they are one run's repeated
-    windows (module doc); None where they are not (the paths are read as they are)."""
+def _nested(p: Path) -> list[Path] | None:
+    """The traces in p's subdirectories where p holds none itself and several of them do (a
+    subdirectory a window, as torchtitan's `iteration_N/rank{R}_trace.json`, or a subdirectory a
+    rank): what discover_traces refuses as "likely several runs" until the files say otherwise.
+    torchelastic's attempts are left to it (rundir.last_attempt)."""
+    if not p.is_dir() or has_traces(p):
+        return None
     try:
-        files = discover_traces(paths)
-    except DiagnoseError:
-        return None  # said where the traces are read
-    stems: dict[tuple[Path, str], list[Path]] = {}
+        subdirs = [d for d in sorted(p.iterdir()) if not d.name.startswith(".") and has_traces(d)]
+    except OSError:
+        return None
+    if len(subdirs) < 2 or all(ATTEMPT.match(d.name) for d in subdirs):
+        return None
+    return [f for d in subdirs for f in discover_traces([d])]
+
+
+def _by_stem(files: list[Path]) -> dict[tuple[str, str], list[Path]] | None:
+    """Files of one directory by their name's stem (`{stem}.{stamp}.pt.trace.json`): a stem a
+    process; None where a name is not of that form."""
+    stems: dict[tuple[str, str], list[Path]] = {}
     for f in files:
         m = STAMPED.match(f.name)
         if m is None:
             return None  # a trace of another kind beside them: not windows alone
-        stems.setdefault((f.parent, m.group(1)), []).append(f)
-    if max((len(v) for v in stems.values()), default=0) < 2:
+        stems.setdefault((str(f.parent), m.group(1)), []).append(f)
+    return stems
+
+
+def _by_rank(files: list[Path], heads: dict[Path, Header | None]) -> dict[tuple[str, str], list[Path]] | None:
+    """Files from several directories by the rank their first bytes (else their name) give."""
+    ranks: dict[tuple[str, str], list[Path]] = {}
+    for f in files:
+        h = heads[f]
+        r = h.rank if h is not None and h.rank is not None else rank_from_name(f)
+        if r is None:
+            return None
+        ranks.setdefault(("", f"{r:09d}"), []).append(f)
+    return ranks
+
+
+def choose_window(paths: list[str | Path]) -> Choice | None:
+    """The traces of `paths` narrowed to one window a rank where they are one run's repeated
+    windows (module doc); None where they are not (the paths are read as they are)."""
+    files: list[Path] = []
+    nested: list[Path] = []
+    try:
+        for p in paths:
+            below = _nested(Path(p))
+            files += below if below is not None else discover_traces([p])
+            nested += [Path(p)] if below is not None else []
+    except DiagnoseError:
+        return None  # said where the traces are read
+    files = list(dict.fromkeys(files))
+    heads: dict[Path, Header | None] = {}
+    if nested:
+        heads = {f: read_header(f) for f in files}
+        groups = _by_rank(files, heads)
+    else:
+        groups = _by_stem(files)
+    if groups is None or not groups:
         return None
-    ordered: dict[tuple[Path, str], list[Path]] = {}
-    for key, group in sorted(stems.items()):
-        got = _one_process(group) if len(group) > 1 else group
+    most = max(len(v) for v in groups.values())
+    if most < 2:
+        if not nested:
+            return None
+        where = ", ".join(map(str, nested))
+        return Choice(files=[v[0] for _, v in sorted(groups.items())],
+                      note=f"{where}: a trace a rank in its subdirectories, read as one run's")
+    ordered: dict[tuple[str, str], list[Path]] = {}
+    for key, group in sorted(groups.items()):
+        got = _one_process(group, [heads[f] if f in heads else read_header(f) for f in group]) \
+            if len(group) > 1 else group
         if got is None:
             return None
         ordered[key] = got
@@ -152,12 +206,14 @@ def choose_window(paths: list[str | Path]) -> Choice | None:
             short |= {k + 1 for k, s in enumerate(sizes) if s < WHOLE * mid}
     whole = [k for k in range(1, common + 1) if k not in short]
     k = whole[-1] if whole else common
-    most = max(len(v) for v in ordered.values())
-    where = ", ".join(sorted({str(p) for p, _ in ordered}))
+    chosen = [v[k - 1] for v in ordered.values()]
+    where = ", ".join(map(str, nested)) if nested else ", ".join(sorted({p for p, _ in ordered}))
+    inside = sorted({f.parent.name for f in chosen})
     cut = sorted(w for w in short if w > k and w <= most)
     note = (f"{where}: {most} profiled windows a rank (a repeating profiler schedule writes one trace a "
-            f"window); the last whole one every rank wrote (window {k}) is analysed"
+            f"window); the last whole one every rank wrote (window {k}"
+            + (f": {inside[0]}" if nested and len(inside) == 1 else "") + ") is analysed"
             + (f"; window {', '.join(map(str, cut))} looks cut short by the run's end (a smaller trace)"
                if cut else "")
             + "; pass one window's files (one a rank) to analyse another")
-    return Choice(files=[v[k - 1] for v in ordered.values()], note=note)
+    return Choice(files=chosen, note=note)
