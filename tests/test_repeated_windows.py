@@ -147,3 +147,13 @@ def test_two_runs_in_two_subdirectories_are_still_refused(tmp_path):
     assert choose_window([tmp_path]) is None
     with pytest.raises(DiagnoseError, match="several subdirectories"):
         diagnose_paths([tmp_path])
+
+
+def test_windows_named_by_step_and_rank(tmp_path):
+    """`prof.export_chrome_trace(f"trace_step{N}_rank{R}.json")` at each window: no stamp, the rank
+    named twice; the first bytes say one process a rank."""
+    _lay_out(tmp_path, lambda r, i, _: f"trace_step{4 * (i + 1)}_rank{r}.json.gz")
+    d = diagnose_paths([tmp_path])
+    assert sorted(Path(f).name for f in d.run.files.values()) == ["trace_step8_rank0.json.gz",
+                                                                   "trace_step8_rank1.json.gz"]
+    assert any(w.startswith(f"{tmp_path}: 3 profiled windows a rank") for w in d.warnings), d.warnings

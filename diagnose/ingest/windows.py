@@ -6,10 +6,16 @@ of its own, `{worker}.{time_ns}.pt.trace.json[.gz]` (`worker`: `{host}_{pid}` un
 it); the probes' `--schedule W,U,A,R` write `rank{R}.{ms}.pt.trace.json.gz` the same way. A job
 that ends inside a window writes that window cut short (torch's `stop()` exports what it has).
 
+Other layouts hold windows too: a subdirectory a window (torchtitan's
+`profile_trace/iteration_N/rank{R}_trace.json`), a subdirectory a rank, or names without a stamp
+that name a rank twice (`trace_step10_rank0.json`); there the files are grouped by the rank their
+first bytes give.
+
 Several traces a rank are only taken for one run's windows where each file says so: the files of
-one name stem come from one process (the same pid, host and rank in their first bytes) and start
-one after the other. Anything else (two runs written into one directory, a file copied) stays the
-loader's "two traces for rank R" error: mixed runs are refused, never guessed.
+one group come from one process (the same pid, host and rank in their first bytes) and start one
+after the other. Anything else (two runs written into one directory, a file copied) stays the
+loader's error ("two traces for rank R", "traces in several subdirectories"): mixed runs are
+refused, never guessed. The first bytes are read only where the names suggest windows.
 """
 from __future__ import annotations
 
@@ -151,7 +157,8 @@ def _by_stem(files: list[Path]) -> dict[tuple[str, str], list[Path]] | None:
 
 
 def _by_rank(files: list[Path], heads: dict[Path, Header | None]) -> dict[tuple[str, str], list[Path]] | None:
-    """Files from several directories by the rank their first bytes (else their name) give."""
+    """Files by the rank their first bytes (else their name) give: where the names do not say
+    which are one process's (several directories, or names without a stamp)."""
     ranks: dict[tuple[str, str], list[Path]] = {}
     for f in files:
         h = heads[f]
@@ -176,12 +183,14 @@ def choose_window(paths: list[str | Path]) -> Choice | None:
         return None  # said where the traces are read
     files = list(dict.fromkeys(files))
     heads: dict[Path, Header | None] = {}
-    if nested:
+    groups = None if nested else _by_stem(files)
+    if groups is None or max((len(v) for v in groups.values()), default=0) < 2:
+        named = [rank_from_name(f) for f in files]  # `trace_step10_rank0.json`: a rank named twice
+        if not nested and (None in named or len(set(named)) == len(named)):
+            return None
         heads = {f: read_header(f) for f in files}
         groups = _by_rank(files, heads)
-    else:
-        groups = _by_stem(files)
-    if groups is None or not groups:
+    if not groups:
         return None
     most = max(len(v) for v in groups.values())
     if most < 2:
@@ -207,7 +216,7 @@ def choose_window(paths: list[str | Path]) -> Choice | None:
     whole = [k for k in range(1, common + 1) if k not in short]
     k = whole[-1] if whole else common
     chosen = [v[k - 1] for v in ordered.values()]
-    where = ", ".join(map(str, nested)) if nested else ", ".join(sorted({p for p, _ in ordered}))
+    where = ", ".join(map(str, nested)) if nested else ", ".join(sorted({str(f.parent) for f in files}))
     inside = sorted({f.parent.name for f in chosen})
     cut = sorted(w for w in short if w > k and w <= most)
     note = (f"{where}: {most} profiled windows a rank (a repeating profiler schedule writes one trace a "
