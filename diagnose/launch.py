@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -237,23 +238,32 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
         code = run_job(command, env, quiet_job, pass_fds=(lock.fd,))
         if code is None:
             return RunOutcome(127, run_dir, "not_started")
+        own: list[Path] = []
+        hint = (f"analyse the job's own traces with the probes' records (diagnose analyze THEIR_DIR --probes "
+                f"{one_line(str(run_dir))}), or run the job without its profiler")
         if not _wrote_traces(traces):
             # never diagnose anything else: a verdict here could only come from a stale file
-            if _profiled_itself(traces):
+            own = _job_traces(traces) if _profiled_itself(traces) else []
+            if own:
+                where = ", ".join(sorted({one_line(str(f.parent)) for f in own})[:4])
+                click.echo(f"diagnose: the job ran its own torch.profiler (exit {code}); torch records one profiler "
+                           f"at a time, so the probes recorded no trace: analysing the {len(own)} trace(s) the job "
+                           f"wrote in this run ({where}) with the probes' records", err=True)
+            elif _profiled_itself(traces):
                 click.echo(f"diagnose: the job ran its own torch.profiler (exit {code}); torch records one "
-                           "profiler at a time, so the probes recorded no trace: analyse the job's own traces "
-                           f"with the probes' records (diagnose analyze THEIR_DIR --probes {one_line(str(run_dir))}), "
-                           "or run the job without its profiler", err=True)
+                           f"profiler at a time, so the probes recorded no trace: {hint}", err=True)
+                return RunOutcome(code, run_dir, "no_traces")
             else:
                 click.echo(f"diagnose: the job wrote no traces (exit {code}); nothing to analyse"
                            f"{_before_the_window(traces, schedule)}", err=True)
-            return RunOutcome(code, run_dir, "no_traces")
+                return RunOutcome(code, run_dir, "no_traces")
         from diagnose.output import analyze_outputs
 
         try:
-            d = analyze_outputs([str(traces)], run_dir, echo=echo, link=link)
+            d = analyze_outputs([str(f) for f in own] or [str(traces)], run_dir, echo=echo, link=link,
+                                probe_paths=[str(run_dir)] if own else None)
         except DiagnoseError as exc:
-            click.echo(f"diagnose: could not analyse the run: {exc}", err=True)
+            click.echo(f"diagnose: could not analyse the run: {exc}" + (f"; {hint}" if own else ""), err=True)
             return RunOutcome(code, run_dir, "analysis_failed")
     nodes = nodes_of(command)
     if nodes and d.run.ranks_missing:
@@ -315,6 +325,38 @@ def _profiled_itself(traces: Path) -> bool:
         except ValueError:
             continue
     return False
+
+
+_MAX_SIDECARS = 4096
+"""Ranks whose sidecars name the job's own traces: a bound on what a run directory makes us read."""
+
+
+def _job_traces(traces: Path) -> list[Path]:
+    """The traces the job's own profiler wrote in this run, as the probes saw it export them
+    (probes.core.on_job_trace: each rank's last few). Only regular files of ours with a trace's
+    name: a sidecar is the job's writing, and a forged one must not point the analysis at a FIFO
+    or another user's files."""
+    from diagnose.ingest.discover import TRACE_SUFFIXES
+    from diagnose.probedata import has_records, read_meta
+    from diagnose.probes.core import JOB_TRACES_KEPT
+
+    traces, _ = last_attempt(traces, has_records)
+    found: dict[Path, None] = {}
+    for sidecar in sorted(traces.glob("rank*.probe.json"))[:_MAX_SIDECARS]:
+        try:
+            named = read_meta(sidecar).get("job_traces")
+        except ValueError:
+            continue
+        for p in named[-JOB_TRACES_KEPT:] if isinstance(named, list) else []:
+            if not isinstance(p, str) or not p.endswith(TRACE_SUFFIXES) or not os.path.isabs(p):
+                continue
+            try:
+                st = os.lstat(p)
+            except (OSError, ValueError):
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                found[Path(p)] = None
+    return list(found)
 
 
 def _before_the_window(traces: Path, schedule: str) -> str:

@@ -441,6 +441,16 @@ class Probe:
         self._windows_done = True
         self._release_profilers()
 
+    def on_job_trace(self, path) -> None:
+        """The job's own profiler wrote a trace: its path kept (the last JOB_TRACES_KEPT) in the
+        sidecar, for `diagnose run` to analyse with the probes' records (diagnose/launch.py)."""
+        p = os.fspath(path)
+        if not isinstance(p, str):
+            return
+        kept = self.meta.setdefault("job_traces", [])
+        kept.append(os.path.abspath(p))
+        del kept[:-JOB_TRACES_KEPT]
+
     def _release_profilers(self) -> None:
         """Stop the probe's capture and scheduled profiler, if on: what they recorded is written."""
         if self._capture is not None:
@@ -620,6 +630,11 @@ class Probe:
         finally:
             if d is not self._dir:
                 d.close()
+
+
+JOB_TRACES_KEPT = 16
+"""The job's own traces named in a rank's sidecar: enough windows back to find the last whole one
+(diagnose/ingest/windows.py), bounded however long the run."""
 
 
 def _env_mb(name: str, default: int) -> int:

@@ -179,9 +179,27 @@ def _job_profiler(probe: Probe):
 
         return wrap
 
+    def noted(orig):
+        """export_chrome_trace, its path told to the probe once written (not for the probe's own)."""
+        @functools.wraps(orig)
+        def wrapper(self, path, *args, **kwargs):
+            out = orig(self, path, *args, **kwargs)
+            if not probe.in_own_profiler_call():
+                try:
+                    probe.on_job_trace(path)
+                except Exception as exc:  # noqa: BLE001
+                    probe._fail("job profiler", exc)
+            return out
+
+        setattr(wrapper, _MARK, True)
+        return wrapper
+
     warned, settled = first(probe.on_job_profiler), first(probe.settle_works)
     undo = []
     for owner, name, wrap in (
+            # where the job's own profiler writes (tensorboard_trace_handler, torchtitan, Lightning
+            # export through it): `diagnose run` analyses those files when the probes' profiler stood aside
+            (tp.profile, "export_chrome_trace", noted),
             (tp.profile, "start", warned),
             (ap.profile, "_prepare_trace", warned),
             # the job's profiler stops (stop_trace, the end of a `with`): its CPU collectives settled

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import pytest
 
 from diagnose.pipeline import diagnose_paths
 from tests.conftest import EXAMPLE, ROOT, _free_port, run_dir
+
+FIXTURES = ROOT / "tests" / "fixtures"
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("torch")
@@ -117,12 +120,22 @@ def test_exit_code_passes_through(tmp_path):
 
 def test_a_job_profiling_itself_runs_to_its_end_under_the_probes(tmp_path):
     """Until 2026-12-06 both ranks died in their own `prof.step()`: "Profiler is already enabled
-    on this thread" (the probe's profiler held torch's one slot). Now the probes' stands aside."""
+    on this thread" (the probe's profiler held torch's one slot). Now the probes' stands aside,
+    and (since 2026-12-07) the launcher analyses the traces the job wrote in this run, which the
+    probes saw it export, with their records; before, it said to run `diagnose analyze` by hand.
+    A stale trace of an earlier run in the same directory is not one of them."""
     own = tmp_path / "own"
+    own.mkdir()
+    stale = next((FIXTURES / "cpu_straggler_2rank").glob("rank0.*.pt.trace.json.gz"))
+    shutil.copy(stale, own / stale.name)
     res = diagnose_run(tmp_path / "run", "--steps", "12", "--trace-dir", str(own), schedule="1,1,2")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.count("the job ran its own torch.profiler") == 1, res.stderr[-3000:]
-    assert f"--probes {run_dir(tmp_path / 'run')}" in res.stderr, res.stderr[-3000:]
+    assert "analysing the 2 trace(s) the job wrote in this run" in res.stderr, res.stderr[-3000:]
+    d = verdict(tmp_path / "run")
+    assert sorted(d["run"]["ranks_found"]) == [0, 1] and stale.name not in str(d["run"]["files"])
+    assert set(d["run"]["metadata"]["probe_steps"]) == {"0", "1"}
+    (own / stale.name).unlink()  # what follows reads the job's directory as a user would
     traces = run_dir(tmp_path / "run") / "traces"
     assert not list(traces.glob("*.pt.trace.json*"))
     for r in (0, 1):  # every step still timed by the probes

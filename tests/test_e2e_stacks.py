@@ -98,6 +98,9 @@ def test_lightning_with_its_own_profiler_names_the_straggler(tmp_path):
     own = tmp_path / "own"
     res = launch_stack(tmp_path / "run", "train_lightning.py", "--torch-profiler", str(own), schedule="1,1,2")
     assert "the job ran its own torch.profiler" in res.stderr, res.stderr[-3000:]
+    # the launcher's own verdict, from the job's traces it saw exported (since 2026-12-07)
+    said = json.loads((run_dir(tmp_path / "run") / "diagnosis.json").read_text())
+    assert (said["findings"][0]["id"], said["findings"][0]["ranks"]) == ("straggler", [1]), res.stdout[-3000:]
     d = diagnose_paths([own], probe_paths=[own, run_dir(tmp_path / "run") / "traces"])
     assert d.run.ranks_found == (0, 1)
     top = d.findings[0]

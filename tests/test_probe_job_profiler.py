@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 
 import pytest
 
@@ -118,6 +119,8 @@ def test_a_profiler_the_job_started_before_training_keeps_the_probes_off(tmp_pat
     assert not list((tmp_path / "probe").glob("*.pt.trace.json*"))
     assert probe.job_profiler and probe.meta.get("job_profiler") is True
     assert len(written) == 1
+    # where the job wrote it, for `diagnose run` to analyse (diagnose/launch.py _job_traces)
+    assert probe.meta["job_traces"] == [os.path.abspath(written[0])]
     assert sorted(n for n in _names(written[0]) if n.startswith("ProfilerStep#")) == ["ProfilerStep#3",
                                                                                       "ProfilerStep#4"]
 
@@ -138,6 +141,7 @@ def test_the_probes_own_windows_do_not_count_as_the_jobs(tmp_path, hooked):
     probe.close()
     assert not probe.job_profiler and "job_profiler" not in probe.meta
     assert probe._traces_written == 2 and not probe._failed
+    assert "job_traces" not in probe.meta  # its own exports are not the job's
 
 
 def test_with_the_probes_schedule_off_nothing_is_said_but_captures_are_refused(tmp_path, hooked, caplog):
@@ -176,16 +180,35 @@ def test_the_jobs_profiler_stops_only_after_its_cpu_collectives_have_finished(tm
     assert len(probe._inflight._works) == 0
 
 
+def test_the_jobs_last_traces_are_kept_however_many_windows(tmp_path, hooked):
+    """A schedule that repeats to the end (torch's default repeat=0) exports a trace every few
+    steps: the sidecar names the last JOB_TRACES_KEPT, in order, never a growing list."""
+    from diagnose.probes.core import JOB_TRACES_KEPT
+
+    probe = hooked("off")
+    out = tmp_path / "job"
+    out.mkdir()
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  schedule=torch.profiler.schedule(wait=0, warmup=0, active=1),
+                                  on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out), "w"))
+    with prof:
+        _train(JOB_TRACES_KEPT + 4, lambda i: prof.step())
+    written = sorted(out.iterdir(), key=lambda f: int(f.name.split(".")[1]))
+    assert len(written) >= JOB_TRACES_KEPT + 4
+    assert probe.meta["job_traces"] == [str(f) for f in written[-JOB_TRACES_KEPT:]]
+
+
 def test_the_hooks_come_off_whole(tmp_path):
     from torch.autograd import profiler as ap
 
-    before = (torch.profiler.profile.start, ap.profile._prepare_trace, ap.profile.__exit__, ap._run_on_profiler_start)
+    before = (torch.profiler.profile.start, torch.profiler.profile.export_chrome_trace, ap.profile._prepare_trace,
+              ap.profile.__exit__, ap._run_on_profiler_start)
     probe = Probe(tmp_path, rank=0, world_size=1, schedule=Schedule.parse("off"), strict_dir=False)
     undo = patches._job_profiler(probe)
     assert patches._job_profiler(probe) is None  # installed once
     undo()
-    assert (torch.profiler.profile.start, ap.profile._prepare_trace, ap.profile.__exit__,
-            ap._run_on_profiler_start) == before
+    assert (torch.profiler.profile.start, torch.profiler.profile.export_chrome_trace, ap.profile._prepare_trace,
+            ap.profile.__exit__, ap._run_on_profiler_start) == before
 
 
 def test_the_analysis_names_the_ranks_where_the_probes_stood_aside(tmp_path):

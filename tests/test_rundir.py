@@ -383,3 +383,34 @@ def test_escape_sequences_in_trace_fields_do_not_reach_the_terminal(tmp_path):
     text = terminal_summary(d)
     assert "\x1b" not in text and "\x07" not in text
     assert "gloo\\x1b]0;owned\\x07" in text and "A100\\x1b" in text
+
+
+def test_the_jobs_own_traces_are_read_only_where_a_sidecar_may_point(tmp_path):
+    """`diagnose run` analyses the traces the probes saw the job export (rank*.probe.json's
+    `job_traces`). A sidecar is written by the job: one forged in a shared run directory must not
+    make the launcher read a FIFO (a hang), a directory, a link, a file of another name or
+    another user's file; the job's real trace is read, once."""
+    from diagnose.launch import _job_traces
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    job = tmp_path / "job"
+    job.mkdir()
+    real = job / "vm_1.1.pt.trace.json.gz"
+    real.write_bytes(b"x")
+    fifo = job / "fifo.pt.trace.json"
+    os.mkfifo(fifo)
+    link = job / "link.pt.trace.json"
+    link.symlink_to(real)
+    other = job / "other.pt.trace.json"
+    other.write_bytes(b"x")
+    if os.getuid() == 0:
+        os.chown(other, 12345, 12345)
+    (job / "notes.txt").write_text("x")
+    (job / "dir.json").mkdir()
+    named = [str(real), str(fifo), str(link), str(other), str(job / "notes.txt"), str(job / "dir.json"),
+             "vm_1.1.pt.trace.json.gz", str(job / "gone.json"), 17, str(real)]
+    for r in (0, 1):
+        (traces / f"rank{r}.probe.json").write_text(json.dumps({"meta": {"job_profiler": True, "job_traces": named}}))
+    expect = [real] if os.getuid() == 0 else [real, other]
+    assert _job_traces(traces) == expect
