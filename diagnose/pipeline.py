@@ -14,7 +14,7 @@ from diagnose.ingest.discover import has_traces
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
 from diagnose.ingest.windows import choose_window
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
-from diagnose.probedata import ProbeData, load_probe_data
+from diagnose.probedata import ProbeData, has_records, load_probe_data
 from diagnose.rundir import last_attempt
 from diagnose.step.breakdown import BreakdownRows
 from diagnose.step.link import LinkSpec
@@ -183,8 +183,11 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     probes = load_probe_data(probe_paths) if probe_paths else {}
     for p in probes.values():
         run.warnings.extend(p.warnings)
-    aside = [r for r, p in sorted(probes.items()) if p.meta.get("job_profiler") is True]
-    if aside:  # probes/core.py on_job_profiler: one profiler at a time, the job's first
+    # probes/core.py on_job_profiler: one profiler at a time, the job's first. Said of the ranks whose
+    # analysed trace is the probes' own (a window cut short); the job's own traces are whole
+    aside = [r for r, p in sorted(probes.items()) if p.meta.get("job_profiler") is True
+             and (r not in run.traces or has_records(run.traces[r].path.parent))]
+    if aside:
         run.warnings.append(f"rank(s) {rank_ranges(aside)}: the job ran its own torch.profiler there, so the "
                             "probes' profiler stood aside (its window cut short, or none)")
     return diagnose_run(run, th, probes, link=link)

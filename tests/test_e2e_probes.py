@@ -135,6 +135,7 @@ def test_a_job_profiling_itself_runs_to_its_end_under_the_probes(tmp_path):
     d = verdict(tmp_path / "run")
     assert sorted(d["run"]["ranks_found"]) == [0, 1] and stale.name not in str(d["run"]["files"])
     assert set(d["run"]["metadata"]["probe_steps"]) == {"0", "1"}
+    assert not any("stood aside" in w for w in d["warnings"]), d["warnings"]  # the job's traces are whole
     (own / stale.name).unlink()  # what follows reads the job's directory as a user would
     traces = run_dir(tmp_path / "run") / "traces"
     assert not list(traces.glob("*.pt.trace.json*"))
