@@ -157,3 +157,10 @@ def test_windows_named_by_step_and_rank(tmp_path):
     assert sorted(Path(f).name for f in d.run.files.values()) == ["trace_step8_rank0.json.gz",
                                                                    "trace_step8_rank1.json.gz"]
     assert any(w.startswith(f"{tmp_path}: 3 profiled windows a rank") for w in d.warnings), d.warnings
+
+
+def test_two_windows_of_one_run_passed_by_hand_are_refused_as_such():
+    """Rank 0's window 1 with rank 1's window 2: not profiled at the same time, and the error
+    names windows as well as runs."""
+    with pytest.raises(DiagnoseError, match=r"rank 0 steps #2-#3 and rank 1 steps #6-#7.*two windows of one run"):
+        diagnose_paths([OWN / _own("vm_6237")[0], OWN / _own("vm_6238")[1]])

@@ -585,8 +585,35 @@ def _check_overlap(by_rank: Mapping[int, RankTrace]) -> None:
     if gap > slack:
         a, b = by_rank[early].path.name, by_rank[late].path.name
         raise DiagnoseError(f"files from different runs: {b} starts {gap / 1e6:.1f} s after {a} ends "
-                            "(the ranks of one run are profiled at the same time); pass one run's files",
+                            "(the ranks of one run are profiled at the same time: two runs, or two windows of one "
+                            "run); pass one window's files, one a rank",
                             by_rank[early].path.parent)
+
+
+def _check_same_steps(kept: Mapping[int, Loaded]) -> None:
+    """Ranks of one host that share no step and whose steps come one after the other on the host's
+    clock are two windows of one run (or two runs), however close: a window's ranks record the
+    same steps at the same time. _check_overlap's slack lets windows a second apart through
+    (rank 0's window 1 with rank 1's window 2 read as one run, until 2026-12-07)."""
+    first: dict[str, tuple[int, set, float, float]] = {}
+    for r, x in sorted(kept.items()):
+        t, tl = x.trace, x.timeline
+        host = t.meta.get("host_name")
+        if not isinstance(host, str) or tl.step_source != "ProfilerStep" or not len(tl.steps):
+            continue
+        base = t.meta.get("baseTimeNanoseconds")
+        off = base / 1000 if type(base) is int and base > 0 else 0.0
+        mine = (r, set(tl.steps.step.tolist()), float(tl.steps.start.min()) + off, float(tl.steps.end.max()) + off)
+        ref = first.setdefault(host, mine)
+        if ref is mine or ref[1] & mine[1] or not (ref[3] < mine[2] or mine[3] < ref[2]):
+            continue
+
+        def said(x: tuple[int, set, float, float]) -> str:
+            return f"rank {x[0]} steps #{min(x[1])}-#{max(x[1])}"
+
+        raise DiagnoseError(f"{said(ref)} and {said(mine)}, one after the other on host {one_line(host)[:64]}: "
+                            "two windows of one run, or two runs (the ranks of one window record the same "
+                            "steps at the same time); pass one window's files, one a rank", t.path.parent)
 
 
 class Reader(Protocol):
@@ -649,6 +676,7 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
             warnings.append(f"skipped {t.path}: {reason}")
             continue
         kept[r] = x
+    _check_same_steps(kept)
     if not kept:
         first = traces[next(iter(by_rank))]
         cut = "; the file was cut (killed job?) before a step ended" if first.salvaged and len(by_rank) == 1 else ""
