@@ -94,13 +94,13 @@ def cluster_paths(paths: tuple[str, ...], cluster: str | None, local_path: tuple
 
 def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
                       hta: HtaOptions | None = None, link=None, cluster: str | None = None,
-                      probe_paths: list[str] | None = None) -> int:
+                      probe_paths: list[str] | None = None, window: int | None = None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
     try:
         from diagnose.output import analyze_outputs  # lazily: the CLI starts light
 
         analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta, link=link, cluster=cluster,
-                        probe_paths=probe_paths)
+                        probe_paths=probe_paths, window=window)
     except DiagnoseError as exc:
         fail(str(exc))
     return 0
@@ -123,9 +123,12 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
 @click.option("--probes", "probes", multiple=True, metavar="RUN_DIR",
               help="A `diagnose run` directory whose probe records (every step's time, the collectives, "
                    "input waits, run facts) go with these traces: for a job that ran its own profiler.")
+@click.option("--window", "window", default=None, type=int, metavar="K",
+              help="Traces of a profiler schedule that repeats (a trace a rank a window): analyse window K "
+                   "(1 the first, -1 the last every rank wrote) instead of the last whole one.")
 def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None, hta: bool,
             hta_budget_mb: float, hta_timeout: float, link_gbps: str | None, cluster: str | None,
-            local_path: tuple[str, ...], probes: tuple[str, ...]) -> None:
+            local_path: tuple[str, ...], probes: tuple[str, ...], window: int | None) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
     from diagnose.output import HtaOptions
 
@@ -135,7 +138,9 @@ def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: in
     probe_paths = None
     if probes:  # besides the sidecars beside the traces, as without the option
         probe_paths = [p for p in paths if Path(p).exists()] + [str(probe_records(Path(p))) for p in probes]
-    sys.exit(analyze_and_write(paths, out, max_trace_gb, jobs, opts, link, cluster, probe_paths))
+    if window == 0:
+        fail("--window 0: windows count from 1 (the first) or from -1 (the last every rank wrote)")
+    sys.exit(analyze_and_write(paths, out, max_trace_gb, jobs, opts, link, cluster, probe_paths, window))
 
 
 def probe_records(path: Path) -> Path:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from diagnose.analyzers import CHECKLIST, reduce_rank
 from diagnose.context import Context, build_context, prune_dead_views
-from diagnose.errors import one_line
+from diagnose.errors import DiagnoseError, one_line
 from diagnose.extras import report_extras
 from diagnose.heap import give_back_freed
 from diagnose.ingest.assemble import Progress, Reader, Run, load_run
@@ -157,23 +157,27 @@ def last_attempts(paths: list[str | Path]) -> tuple[list[str | Path], list[str]]
     return out, notes
 
 
-def last_windows(paths: list[str | Path]) -> tuple[list[str | Path], list[str]]:
+def last_windows(paths: list[str | Path], window: int | None = None) -> tuple[list[str | Path], list[str]]:
     """The paths narrowed to one trace a rank where they hold one run's repeated profiler windows
-    (ingest/windows.py), with a line saying which; else as they are."""
-    choice = choose_window(paths)
+    (ingest/windows.py), with a line saying which; else as they are. window: `--window K`."""
+    choice = choose_window(paths, window)
+    if choice is None and window is not None:
+        raise DiagnoseError(f"--window {window}: no repeated profiler windows of one run here (one trace a rank, "
+                            "or files of two runs)", Path(paths[0]))
     return (list(paths), []) if choice is None else (list(choice.files), [choice.note])
 
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jobs: int | None = None, progress: Progress | None = None,
                    probe_paths: list[str | Path] | None = None, link: LinkSpec | None = None,
-                   reader: Reader | None = None) -> Diagnosis:
+                   reader: Reader | None = None, window: int | None = None) -> Diagnosis:
     """probe_paths: where the probes' sidecars and step logs are, when not beside the traces (a
     capture's traces sit in a subdirectory of the run's probe directory). link: see diagnose_run.
     reader: where the traces are read (a Dask cluster's workers); the probes' small files are read
-    here, from those of the paths that this machine sees too."""
+    here, from those of the paths that this machine sees too. window: which of one run's repeated
+    profiler windows (`--window K`; default the last whole one)."""
     paths, restarted = last_attempts(paths)
-    paths, windows = last_windows(paths)
+    paths, windows = last_windows(paths, window)
     if probe_paths is None and windows and reader is None:
         probe_paths = list(dict.fromkeys(p if Path(p).is_dir() else Path(p).parent for p in paths))
     run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress, reader=reader)

@@ -164,3 +164,28 @@ def test_two_windows_of_one_run_passed_by_hand_are_refused_as_such():
     names windows as well as runs."""
     with pytest.raises(DiagnoseError, match=r"rank 0 steps #2-#3 and rank 1 steps #6-#7.*two windows of one run"):
         diagnose_paths([OWN / _own("vm_6237")[0], OWN / _own("vm_6238")[1]])
+
+
+@pytest.mark.parametrize("window, index, steps", [(1, 0, 2), (2, 1, 2), (-1, 2, 1), (3, 2, 1)])
+def test_the_window_asked_for(window, index, steps):
+    d = diagnose_paths([OWN], window=window)
+    assert {int(r): Path(f).name for r, f in d.run.files.items()} == {0: _own("vm_6237")[index],
+                                                                      1: _own("vm_6238")[index]}
+    assert d.run.steps_analysed == steps
+    note = next(w for w in d.warnings if "profiled windows" in w)
+    assert f"the one asked for (window {index + 1})" in note
+    assert "window 3 looks cut short" in note  # said of the cut window, asked for or not
+
+
+def test_a_window_not_every_rank_wrote_or_no_windows_at_all_is_one_line_and_exit_2(tmp_path):
+    from click.testing import CliRunner
+
+    from diagnose.cli import main
+
+    res = CliRunner().invoke(main, ["analyze", str(OWN), "--window", "4", "--out", str(tmp_path / "a")])
+    assert res.exit_code == 2 and "--window 4: every rank wrote windows 1-3" in res.output
+    res = CliRunner().invoke(main, ["analyze", str(FIXTURES / "cpu_straggler_2rank"), "--window", "1",
+                                    "--out", str(tmp_path / "b")])
+    assert res.exit_code == 2 and "no repeated profiler windows of one run here" in res.output
+    res = CliRunner().invoke(main, ["analyze", str(OWN), "--window", "0", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 2 and "windows count from 1" in res.output

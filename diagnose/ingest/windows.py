@@ -169,9 +169,11 @@ def _by_rank(files: list[Path], heads: dict[Path, Header | None]) -> dict[tuple[
     return ranks
 
 
-def choose_window(paths: list[str | Path]) -> Choice | None:
+def choose_window(paths: list[str | Path], window: int | None = None) -> Choice | None:
     """The traces of `paths` narrowed to one window a rank where they are one run's repeated
-    windows (module doc); None where they are not (the paths are read as they are)."""
+    windows (module doc); None where they are not (the paths are read as they are). window: the
+    one asked for (`--window`: 1 the first, -1 the last every rank wrote, cut or not) instead of
+    the last whole one; DiagnoseError where not every rank wrote it."""
     files: list[Path] = []
     nested: list[Path] = []
     try:
@@ -215,14 +217,20 @@ def choose_window(paths: list[str | Path]) -> Choice | None:
             short |= {k + 1 for k, s in enumerate(sizes) if s < WHOLE * mid}
     whole = [k for k in range(1, common + 1) if k not in short]
     k = whole[-1] if whole else common
+    if window is not None:
+        k = window if window > 0 else common + 1 + window
+        if not 1 <= k <= common:
+            raise DiagnoseError(f"--window {window}: every rank wrote windows 1-{common} (-1 the last of them)",
+                                Path(paths[0]))
     chosen = [v[k - 1] for v in ordered.values()]
     where = ", ".join(map(str, nested)) if nested else ", ".join(sorted({str(f.parent) for f in files}))
     inside = sorted({f.parent.name for f in chosen})
-    cut = sorted(w for w in short if w > k and w <= most)
+    cut = sorted(w for w in short if k <= w <= most)
+    which = "the one asked for" if window is not None else "the last whole one every rank wrote"
     note = (f"{where}: {most} profiled windows a rank (a repeating profiler schedule writes one trace a "
-            f"window); the last whole one every rank wrote (window {k}"
+            f"window); {which} (window {k}"
             + (f": {inside[0]}" if nested and len(inside) == 1 else "") + ") is analysed"
             + (f"; window {', '.join(map(str, cut))} looks cut short by the run's end (a smaller trace)"
                if cut else "")
-            + "; pass one window's files (one a rank) to analyse another")
+            + "; --window K analyses another")
     return Choice(files=chosen, note=note)
