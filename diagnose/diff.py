@@ -118,6 +118,9 @@ def _comparability(before: Diagnosis, after: Diagnosis) -> list[str]:
     if len(b.ranks_found) != len(a.ranks_found):
         notes.append(f"ranks found differ ({len(b.ranks_found)} -> {len(a.ranks_found)})")
     for side, d in (("before", before), ("after", after)):
+        pw = d.extras.get("profiled_windows") or {}
+        if pw.get("written", 1) > 1:  # a schedule that repeats: say which window stands for the run
+            notes.append(f"the {side} run: profiled window {pw.get('analysed')} of {pw.get('written')} read")
         w = d.extras.get("window") or {}
         if w.get("unlike"):
             from diagnose.step.window import caution

@@ -12,7 +12,7 @@ from diagnose.heap import give_back_freed
 from diagnose.ingest.assemble import Progress, Reader, Run, load_run
 from diagnose.ingest.discover import has_traces
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
-from diagnose.ingest.windows import choose_window
+from diagnose.ingest.windows import Choice, choose_window
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
 from diagnose.probedata import ProbeData, has_records, load_probe_data
 from diagnose.rundir import last_attempt
@@ -157,14 +157,14 @@ def last_attempts(paths: list[str | Path]) -> tuple[list[str | Path], list[str]]
     return out, notes
 
 
-def last_windows(paths: list[str | Path], window: int | None = None) -> tuple[list[str | Path], list[str]]:
+def last_windows(paths: list[str | Path], window: int | None = None) -> tuple[list[str | Path], Choice | None]:
     """The paths narrowed to one trace a rank where they hold one run's repeated profiler windows
-    (ingest/windows.py), with a line saying which; else as they are. window: `--window K`."""
+    (ingest/windows.py), with which; else as they are. window: `--window K`."""
     choice = choose_window(paths, window)
     if choice is None and window is not None:
         raise DiagnoseError(f"--window {window}: no repeated profiler windows of one run here (one trace a rank, "
                             "or files of two runs)", Path(paths[0]))
-    return (list(paths), []) if choice is None else (list(choice.files), [choice.note])
+    return (list(paths), None) if choice is None else (list(choice.files), choice)
 
 
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -181,7 +181,7 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     if probe_paths is None and windows and reader is None:
         probe_paths = list(dict.fromkeys(p if Path(p).is_dir() else Path(p).parent for p in paths))
     run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress, reader=reader)
-    run.warnings.extend(restarted + windows)
+    run.warnings.extend(restarted + ([windows.note] if windows else []))
     if probe_paths is None:
         probe_paths = paths if reader is None else [p for p in paths if Path(p).exists()]
     probes = load_probe_data(probe_paths) if probe_paths else {}
@@ -194,4 +194,7 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     if aside:
         run.warnings.append(f"rank(s) {rank_ranges(aside)}: the job ran its own torch.profiler there, so the "
                             "probes' profiler stood aside (its window cut short, or none)")
-    return diagnose_run(run, th, probes, link=link)
+    d = diagnose_run(run, th, probes, link=link)
+    if windows is not None and windows.written > 1:
+        d.extras["profiled_windows"] = windows.as_dict()
+    return d

@@ -64,6 +64,18 @@ def test_a_jobs_own_repeating_profiler_the_last_whole_window_not_the_cut_one():
     note = next(w for w in d.warnings if "profiled windows" in w)
     assert "3 profiled windows a rank" in note and "(window 2) is analysed" in note
     assert "window 3 looks cut short" in note
+    assert d.extras["profiled_windows"] == {"analysed": 2, "written": 3, "every_rank": 3, "cut": [3],
+                                            "asked": False}
+
+
+def test_diff_says_which_window_stands_for_each_side():
+    from diagnose.diff import diff_diagnoses
+
+    said = diff_diagnoses(diagnose_paths([OWN], window=1), diagnose_paths([RUN]))["comparability"]
+    assert "the before run: profiled window 1 of 3 read" in said
+    assert "the after run: profiled window 2 of 2 read" in said
+    plain = diff_diagnoses(diagnose_paths([FIXTURES / "cpu_straggler_2rank"]), diagnose_paths([RUN]))
+    assert not any("before run: profiled window" in n for n in plain["comparability"])
 
 
 def test_the_cut_window_is_analysed_when_the_user_names_its_files():

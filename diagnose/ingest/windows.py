@@ -117,8 +117,22 @@ def _one_process(files: list[Path], heads: list[Header | None]) -> list[Path] | 
 @dataclass(frozen=True, slots=True)
 class Choice:
     files: list[Path]
-    """One window's trace a rank: the last whole window every rank wrote."""
+    """One window's trace a rank: the last whole window every rank wrote, or the one asked for."""
     note: str
+    analysed: int = 1
+    """The window read, counted from 1."""
+    written: int = 1
+    """The most windows a rank wrote."""
+    every_rank: int = 1
+    """Windows 1..every_rank were written by every rank."""
+    cut: tuple[int, ...] = ()
+    """Windows whose traces look cut short by the run's end (smaller than the rank's others)."""
+    asked: bool = False
+
+    def as_dict(self) -> dict:
+        """diagnosis.json's `extras.profiled_windows` (schema 1.13)."""
+        return {"analysed": self.analysed, "written": self.written, "every_rank": self.every_rank,
+                "cut": list(self.cut), "asked": self.asked}
 
 
 def _size(f: Path) -> int:
@@ -233,4 +247,5 @@ def choose_window(paths: list[str | Path], window: int | None = None) -> Choice 
             + (f"; window {', '.join(map(str, cut))} looks cut short by the run's end (a smaller trace)"
                if cut else "")
             + "; --window K analyses another")
-    return Choice(files=chosen, note=note)
+    return Choice(files=chosen, note=note, analysed=k, written=most, every_rank=common,
+                  cut=tuple(sorted(w for w in short if w <= most)), asked=window is not None)
