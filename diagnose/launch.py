@@ -261,7 +261,7 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
 
         try:
             d = analyze_outputs([str(f) for f in own] or [str(traces)], run_dir, echo=echo, link=link,
-                                probe_paths=[str(run_dir)] if own else None)
+                                probe_paths=[str(_records(traces))] if own else None)
         except DiagnoseError as exc:
             click.echo(f"diagnose: could not analyse the run: {exc}" + (f"; {hint}" if own else ""), err=True)
             return RunOutcome(code, run_dir, "analysis_failed")
@@ -327,6 +327,13 @@ def _profiled_itself(traces: Path) -> bool:
     return False
 
 
+def _records(traces: Path) -> Path:
+    """Where the probes' records are: the traces directory, or a restarted job's last attempt in it."""
+    from diagnose.probedata import has_records
+
+    return last_attempt(traces, has_records)[0]
+
+
 _MAX_SIDECARS = 4096
 """Ranks whose sidecars name the job's own traces: a bound on what a run directory makes us read."""
 
@@ -337,12 +344,11 @@ def _job_traces(traces: Path) -> list[Path]:
     name: a sidecar is the job's writing, and a forged one must not point the analysis at a FIFO
     or another user's files."""
     from diagnose.ingest.discover import TRACE_SUFFIXES
-    from diagnose.probedata import has_records, read_meta
+    from diagnose.probedata import read_meta
     from diagnose.probes.core import JOB_TRACES_KEPT
 
-    traces, _ = last_attempt(traces, has_records)
     found: dict[Path, None] = {}
-    for sidecar in sorted(traces.glob("rank*.probe.json"))[:_MAX_SIDECARS]:
+    for sidecar in sorted(_records(traces).glob("rank*.probe.json"))[:_MAX_SIDECARS]:
         try:
             named = read_meta(sidecar).get("job_traces")
         except ValueError:

@@ -444,7 +444,10 @@ class Probe:
     def on_job_trace(self, path) -> None:
         """The job's own profiler wrote a trace: its path kept (the last JOB_TRACES_KEPT) in the
         sidecar, for `diagnose run` to analyse with the probes' records (diagnose/launch.py)."""
-        p = os.fspath(path)
+        try:
+            p = os.fspath(path)
+        except TypeError:  # not a path: nothing to name (torch itself will have refused it)
+            return
         if not isinstance(p, str):
             return
         kept = self.meta.setdefault("job_traces", [])
