@@ -92,8 +92,21 @@ def test_two_runs_under_one_name_are_still_refused(tmp_path):
     for f in (FIXTURES / "cpu_straggler_2rank").glob("*.pt.trace.json.gz"):
         shutil.copy(f, tmp_path / f.name)
     assert choose_window([tmp_path]) is None
-    with pytest.raises(DiagnoseError, match="two traces for rank 0"):
+    with pytest.raises(DiagnoseError, match="two traces for rank 0: .* from two processes"):
         diagnose_paths([tmp_path])
+
+
+def test_two_runs_in_one_directory_are_named_by_their_processes(tmp_path):
+    """A rerun into the same tensorboard directory (the default names differ by pid): refused, and
+    the error says which processes and when, not "mixed runs or repeated captures?"."""
+    for f in (OWN / _own("vm_6237")[0], OWN / _own("vm_6238")[0],
+              *(FIXTURES / "cpu_straggler_2rank").glob("*.pt.trace.json.gz")):
+        shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(DiagnoseError) as got:
+        diagnose_paths([tmp_path])
+    said = str(got.value)
+    assert "two traces for rank 0" in said and "two runs in one directory" in said, said
+    assert "pid 6237 from 2026-12-07" in said, said
 
 
 def test_a_copied_window_is_not_a_second_window(tmp_path):
@@ -104,7 +117,7 @@ def test_a_copied_window_is_not_a_second_window(tmp_path):
     stem, stamp, rest = _stamps(0)[0].split(".", 2)
     shutil.copy(RUN / _stamps(0)[0], tmp_path / f"{stem}.{int(stamp) + 1000}.{rest}")
     assert choose_window([tmp_path]) is None
-    with pytest.raises(DiagnoseError, match="two traces for rank 0"):
+    with pytest.raises(DiagnoseError, match="two traces for rank 0: .* of one recording"):
         diagnose_paths([tmp_path])
 
 

@@ -482,9 +482,10 @@ def _assign_ranks(ok: list[Loaded], warnings: list[str]) -> dict[int, Loaded]:
     for x, r in zip(ok, ranks):
         assert r is not None
         if r in by_rank:
-            raise DiagnoseError(f"two traces for rank {r}: {by_rank[r].path.name} and "
-                                f"{x.path.name} (mixed runs or repeated captures?); pass one run's files",
-                                x.path.parent)
+            from diagnose.ingest.windows import two_of_a_rank  # the error's path only: reads two files' heads
+
+            raise DiagnoseError(f"two traces for rank {r}: {by_rank[r].path.name} and {x.path.name} "
+                                + two_of_a_rank(by_rank[r].path, x.path), x.path.parent)
         by_rank[r] = x
     return by_rank
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import re
 import statistics
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,3 +250,24 @@ def choose_window(paths: list[str | Path], window: int | None = None) -> Choice 
             + "; --window K analyses another")
     return Choice(files=chosen, note=note, analysed=k, written=most, every_rank=common,
                   cut=tuple(sorted(w for w in short if w <= most)), asked=window is not None)
+
+
+def _who(h: Header) -> str:
+    when = ""
+    if h.start_us is not None and h.start_us > 1e15:  # on the wall clock (the file gave its base)
+        when = time.strftime(" from %Y-%m-%d %H:%M:%S UTC", time.gmtime(h.start_us / 1e6))
+    return f"pid {h.pid}{when}"
+
+
+def two_of_a_rank(a: Path, b: Path) -> str:
+    """What the first bytes of two traces of one rank say they are, for the loader's "two traces
+    for rank R" error: two processes (two runs written into one directory), one process's two
+    windows, or one recording twice."""
+    ha, hb = read_header(a), read_header(b)
+    if ha is None or hb is None or ha.pid is None or hb.pid is None:
+        return "(mixed runs or repeated captures?); pass one run's files"
+    if (ha.pid, ha.host) != (hb.pid, hb.host):
+        return f"from two processes ({_who(ha)}; {_who(hb)}): two runs in one directory; pass one run's files"
+    if ha.start_us == hb.start_us:
+        return "of one recording (a copy?); pass one of them"
+    return "from one process: two profiled windows of one run; pass one window's files, one a rank"
