@@ -154,6 +154,12 @@ def write_json(d: Diagnosis, out_dir: Path) -> Path:
     return path
 
 
+def _window_of(d: Diagnosis) -> str:
+    """' (profiled window K of N)' where the traces were one run's repeated windows, else ''."""
+    pw = d.extras.get("profiled_windows") or {}
+    return f" (profiled window {pw['analysed']} of {pw['written']})" if pw.get("written", 1) > 1 else ""
+
+
 def terminal_summary(d: Diagnosis) -> str:
     """The summary `analyze` prints. Titles, reasons, fixes, device names and warnings carry trace
     text (op names, file names, metadata), which is untrusted: every line goes through one
@@ -187,7 +193,7 @@ def terminal_summary(d: Diagnosis) -> str:
     backend = r.backend or ("none (single process)" if ws == 1 else "?")
     lines.append(f"run: {found} of {ws} ranks, backend {backend}, device {r.device}"
                  f"{' (' + r.device_name + ')' if r.device_name else ''}, "
-                 f"{r.steps_analysed} step(s) from {r.step_source}, mean step {mean:.1f} ms")
+                 f"{r.steps_analysed} step(s) from {r.step_source}{_window_of(d)}, mean step {mean:.1f} ms")
     compiled = (d.extras.get("compiled") or {}).get("host_share")
     if compiled is not None:
         lines.append(f"torch.compile: {compiled:.0%} of the host's time in the steps runs inside compiled code")

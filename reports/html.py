@@ -59,6 +59,13 @@ def _window(d: dict) -> str:
     return f'<p class="warn">Caution: {esc(text)}.</p>'
 
 
+def _window_of(extras: dict | None) -> str:
+    """', profiled window K of N' where the traces were one run's repeated windows, else ''."""
+    pw = _dict(_dict(extras).get("profiled_windows"))
+    written, analysed = num(pw.get("written")), num(pw.get("analysed"))
+    return f", profiled window {int(analysed)} of {int(written)}" if written and analysed and written > 1 else ""
+
+
 def _run_facts(run: dict, extras: dict | None = None) -> Iterator[str]:
     """The run's facts, then each rank's mean step (a chip a rank, given one at a time)."""
     found, missing = _list(run.get("ranks_found")), _list(run.get("ranks_missing"))
@@ -74,7 +81,7 @@ def _run_facts(run: dict, extras: dict | None = None) -> Iterator[str]:
     mean_txt = (f"{min(vals):,.1f}–{max(vals):,.1f} ms" if len(vals) > 1 else fmt_ms(vals[0], 1)) if vals else "—"
     facts = [("World size", esc(ws)), ("Ranks found", ranks), ("Backend", esc(run.get("backend"))),
              ("Device", device), ("Steps analysed", f"{esc(run.get('steps_analysed'))} "
-                                  f"<span class=muted>(from {esc(run.get('step_source'))})</span>"),
+                                  f"<span class=muted>(from {esc(run.get('step_source'))}{_window_of(extras)})</span>"),
              ("Mean step" + (" (range over ranks)" if len(vals) > 1 else ""), mean_txt)]
     compiled = num(_dict(_dict(extras).get("compiled")).get("host_share"))
     if compiled is not None:

@@ -214,3 +214,15 @@ def test_a_window_not_every_rank_wrote_or_no_windows_at_all_is_one_line_and_exit
     assert res.exit_code == 2 and "no repeated profiler windows of one run here" in res.output
     res = CliRunner().invoke(main, ["analyze", str(OWN), "--window", "0", "--out", str(tmp_path / "c")])
     assert res.exit_code == 2 and "windows count from 1" in res.output
+
+
+def test_the_terminal_and_the_report_say_which_window(tmp_path):
+    from diagnose.reports.html import render
+
+    from diagnose.output import diagnosis_dict, terminal_summary
+
+    d = diagnose_paths([OWN])
+    assert "2 step(s) from ProfilerStep (profiled window 2 of 3)" in terminal_summary(d)
+    assert "(from ProfilerStep, profiled window 2 of 3)" in render(diagnosis_dict(d))
+    plain = diagnose_paths([FIXTURES / "cpu_straggler_2rank"])
+    assert "profiled window" not in terminal_summary(plain)
