@@ -177,10 +177,16 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     here, from those of the paths that this machine sees too. window: which of one run's repeated
     profiler windows (`--window K`; default the last whole one)."""
     paths, restarted = last_attempts(paths)
-    paths, windows = last_windows(paths, window)
+    here = reader is None or all(Path(p).exists() for p in paths)  # else the workers choose the window
+    paths, windows = last_windows(paths, window) if here else (paths, None)
     if probe_paths is None and windows and reader is None:
         probe_paths = list(dict.fromkeys(p if Path(p).is_dir() else Path(p).parent for p in paths))
-    run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress, reader=reader)
+    run = load_run(paths, max_bytes=max_bytes, jobs=jobs, reduce=reduce_rank, progress=progress, reader=reader,
+                   window=None if here else window)
+    if not here:
+        windows = getattr(reader, "windows", None)
+        if window is not None and windows is None:
+            raise DiagnoseError(f"--window {window}: no repeated profiler windows of one run on the workers")
     run.warnings.extend(restarted + ([windows.note] if windows else []))
     if probe_paths is None:
         probe_paths = paths if reader is None else [p for p in paths if Path(p).exists()]

@@ -98,6 +98,46 @@ def test_ranks_on_two_hosts_local_disks_give_the_single_machine_diagnosis(cluste
     assert 0 < reader.stats.bytes_back < 7 * 2 * 1024**2  # summaries, not the traces (2-6 MB of JSON each)
 
 
+WINDOWS = Path(__file__).parent / "fixtures" / "cpu_repeat_default_names_2rank"
+
+
+def _windows_on_two_hosts(tmp_path: Path, rank1_windows: int = 3) -> list[Path]:
+    """Rank 0's repeated profiler windows on host A's disk, rank 1's on host B's."""
+    disks = []
+    for host, stem, n in (("hostA", "vm_6237", 3), ("hostB", "vm_6238", rank1_windows)):
+        d = tmp_path / host / "traces"
+        d.mkdir(parents=True)
+        for f in sorted(WINDOWS.glob(f"{stem}.*"))[:n]:
+            shutil.copy(f, d / f.name)
+        disks.append(d.parent)
+    return disks
+
+
+def test_repeated_windows_on_node_local_disks_are_chosen_on_the_workers(cluster, tmp_path):
+    """Each worker sees one rank's windows: the same window is chosen on both (the last whole one,
+    or the one asked for), as the single machine chooses it from both directories."""
+    c, client = cluster
+    disks = _windows_on_two_hosts(tmp_path)
+    give_disks(client, disks)
+    for window in (None, 1):
+        single = diagnose_paths([d / "traces" for d in disks], window=window)
+        with connect(c.scheduler_address) as reader:
+            spread = diagnose_paths([DISK], reader=reader, window=window)
+        assert {r: Path(f).name for r, f in spread.run.files.items()} == \
+            {r: Path(f).name for r, f in single.run.files.items()}
+        assert spread.extras["profiled_windows"] == single.extras["profiled_windows"]
+        assert [f.id for f in spread.findings] == [f.id for f in single.findings]
+        assert any("profiled windows a rank" in w for w in spread.warnings)
+
+
+def test_workers_that_would_read_different_windows_are_refused(cluster, tmp_path):
+    """Host B's rank wrote one window only: host A's would be read from window 2, B's from 1."""
+    c, client = cluster
+    give_disks(client, _windows_on_two_hosts(tmp_path, rank1_windows=1))
+    with connect(c.scheduler_address) as reader, pytest.raises(DiagnoseError, match="not one window of one run"):
+        diagnose_paths([DISK], reader=reader)
+
+
 def test_a_shared_path_seen_by_every_worker_is_read_once(cluster):
     c, client = cluster
     workers(client)

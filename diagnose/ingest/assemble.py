@@ -620,8 +620,11 @@ def _check_same_steps(kept: Mapping[int, Loaded]) -> None:
 class Reader(Protocol):
     """Loads files somewhere else (ingest/cluster.py's DaskReader): the paths are listed and read there."""
 
+    windows: Any
+    """After load: of one run's repeated profiler windows, the one read there (ingest/windows.Choice), or None."""
+
     def load(self, paths: list[str | Path], max_bytes: int, reduce: Reduce | None,
-             progress: Progress | None = None) -> list[Loaded]: ...
+             progress: Progress | None = None, window: int | None = None) -> list[Loaded]: ...
 
 
 def _hold(run: Run, kept: dict[int, Loaded]) -> None:
@@ -644,12 +647,14 @@ def _hold(run: Run, kept: dict[int, Loaded]) -> None:
 
 
 def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, jobs: int | None = None,
-             reduce: Reduce | None = None, progress: Progress | None = None, reader: Reader | None = None) -> Run:
+             reduce: Reduce | None = None, progress: Progress | None = None, reader: Reader | None = None,
+             window: int | None = None) -> Run:
     """reduce: each check's per-rank phase (analyzers.reduce_rank); without it every event is kept.
-    reader: where the files are listed and read (default: here)."""
+    reader: where the files are listed and read (default: here); window: `--window K`, for the
+    reader (here the caller narrows the paths: pipeline.last_windows)."""
     keep_large_blocks_mapped()  # for callers other than the CLI, which pins it at its start (heap.py)
     if reader is not None:
-        loaded = reader.load(paths, max_bytes, reduce, progress)
+        loaded = reader.load(paths, max_bytes, reduce, progress, window)
     else:
         loaded = load_files(discover_traces(paths), max_bytes, jobs, reduce, progress)
     errors = [x.error for x in loaded if x.error]

@@ -34,6 +34,7 @@ from pathlib import Path
 from diagnose.errors import DiagnoseError
 from diagnose.ingest.assemble import INTERNAL_ERROR, Loaded, Progress, Reduce, Keep, load_one, packed
 from diagnose.ingest.discover import discover_traces
+from diagnose.ingest.windows import Choice, choose_window
 
 INSTALL = "pip install 'torch-diagnose[dask]'"
 LOCAL = "local:"
@@ -141,27 +142,33 @@ def code_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def list_here(paths: list[str]) -> tuple[str, list[Listed], list[str]]:
-    """On a worker: (its host, the trace files it sees under `paths`, problems with what it sees).
-    A path that does not exist here is another host's: nothing to list, no problem."""
+def list_here(paths: list[str], window: int | None = None) -> tuple[str, list[Listed], list[str], list]:
+    """On a worker: (its host, the trace files it sees under `paths`, problems with what it sees,
+    the windows it chose). A path that does not exist here is another host's: nothing to list, no
+    problem. Where a path holds one run's repeated profiler windows (ingest/windows.py), only the
+    window chosen here is listed, and the choice returned: the client checks that every worker
+    chose the same one (DaskReader.listing)."""
     found: list[Listed] = []
     problems: list[str] = []
+    chose: list = []
     for i, raw in enumerate(paths):
         p = os.path.expanduser(os.path.expandvars(raw))
         if not os.path.exists(p):
             continue
         try:
-            files = discover_traces([p])
+            choice = choose_window([p], window)
+            files = choice.files if choice is not None else discover_traces([p])
         except DiagnoseError as exc:
             problems.append(str(exc))
             continue
+        chose.append((i, choice))
         for f in files:
             try:
                 st = f.stat()
             except OSError:
                 continue
             found.append(Listed(i, str(f), st.st_size, st.st_mtime_ns))
-    return socket.gethostname(), found, problems
+    return socket.gethostname(), found, problems, chose
 
 
 RESULT_PROTOCOL = 4
@@ -194,6 +201,25 @@ def batches(files: list[Listed], at_least: int | None = None) -> list[list[Liste
         else:
             last.append(f)
     return out
+
+
+def _one_choice(chose: dict[str, list], hosts: dict[str, str]) -> Choice | None:
+    """The window every worker read, where the paths hold repeated windows; DiagnoseError where
+    workers chose differently (one host's ranks wrote fewer windows, or one window a rank beside
+    another host's several): their ranks would be read from different windows as one run."""
+    picked = {(addr, i): c for addr, got in chose.items() for i, c in got}
+    with_windows = {k: c for k, c in picked.items() if c is not None and c.written > 1}
+    if not with_windows:
+        return None
+    seen = {(k[1], c.analysed) for k, c in with_windows.items()}
+    plain = [k for k, c in picked.items() if (c is None or c.written <= 1) and k[1] in {i for i, _ in seen}]
+    if len({i for i, _ in seen}) != len(seen) or plain:
+        said = "; ".join(sorted({f"{hosts.get(a, a)}: window {c.analysed} of {c.written}" if c is not None
+                                 and c.written > 1 else f"{hosts.get(a, a)}: one trace a rank"
+                                 for (a, _), c in picked.items()}))
+        raise DiagnoseError(f"the workers' traces are not one window of one run ({said}); pass one window's "
+                            "own directory (or --window K)")
+    return next(iter(with_windows.values()))
 
 
 # -- the client side ------------------------------------------------------------------------------
@@ -299,6 +325,8 @@ class DaskReader:
     def __init__(self, client, label: str) -> None:
         self.client = client
         self.stats = ClusterStats(label)
+        self.windows: Choice | None = None
+        """Of one run's repeated profiler windows, the one the workers read (set by listing)."""
 
     def _check_workers(self) -> None:
         here = _version()
@@ -316,19 +344,22 @@ class DaskReader:
                                 f"install one build everywhere ({len(other)} worker(s) differ)")
         self.stats.workers = len(versions)
 
-    def listing(self, paths: list[str]) -> tuple[dict[Listed, list[str]], dict[str, str]]:
+    def listing(self, paths: list[str], window: int | None = None) -> tuple[dict[Listed, list[str]], dict[str, str]]:
         """Every file the workers see, with the workers that see it; and each worker's host."""
         self._check_workers()
-        seen = self.client.run(list_here, [str(p) for p in paths])
+        seen = self.client.run(list_here, [str(p) for p in paths], window)
         hosts: dict[str, str] = {}
         where: dict[Listed, list[str]] = {}
         problems: list[str] = []
+        chose: dict[str, list] = {}
         for addr in sorted(seen):
-            host, found, bad = seen[addr]
+            host, found, bad, picked = seen[addr]
             hosts[addr] = host
             problems += bad
+            chose[addr] = picked
             for f in found:
                 where.setdefault(f, []).append(addr)
+        self.windows = _one_choice(chose, hosts)
         if not where:
             if problems:
                 raise DiagnoseError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
@@ -338,11 +369,13 @@ class DaskReader:
         return where, hosts
 
     def load(self, paths: list[str | Path], max_bytes: int, reduce: Reduce | None,
-             progress: Progress | None = None) -> list[Loaded]:
-        """Each file's Loaded, in the order a local read would give (given path, then file)."""
+             progress: Progress | None = None, window: int | None = None) -> list[Loaded]:
+        """Each file's Loaded, in the order a local read would give (given path, then file).
+        window: of one run's repeated profiler windows, which (`--window K`); `self.windows` says
+        which the workers read."""
         from distributed import as_completed
 
-        where, hosts = self.listing([str(p) for p in paths])
+        where, hosts = self.listing([str(p) for p in paths], window)
         files = sorted(where)
         # task keys numbered on from the runs this reader served before (diff: two): never reused
         number = {f: self.stats.files + i for i, f in enumerate(files)}
