@@ -226,3 +226,15 @@ def test_the_terminal_and_the_report_say_which_window(tmp_path):
     assert "(from ProfilerStep, profiled window 2 of 3)" in render(diagnosis_dict(d))
     plain = diagnose_paths([FIXTURES / "cpu_straggler_2rank"])
     assert "profiled window" not in terminal_summary(plain)
+
+
+def test_two_windows_mixed_across_hosts_are_refused_too(tmp_path):
+    """Rank 1's window 2 as if from another host (its clock not comparable): no step in common."""
+    import json
+
+    other = tmp_path / _own("vm_6238")[1]
+    doc = json.loads(gzip.decompress((OWN / _own("vm_6238")[1]).read_bytes()))
+    doc["host_name"] = "other-host"
+    other.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    with pytest.raises(DiagnoseError, match=r"rank 0 steps #2-#3 and rank 1 steps #6-#7, no step in common"):
+        diagnose_paths([OWN / _own("vm_6237")[0], other])

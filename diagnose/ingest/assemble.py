@@ -592,29 +592,35 @@ def _check_overlap(by_rank: Mapping[int, RankTrace]) -> None:
 
 
 def _check_same_steps(kept: Mapping[int, Loaded]) -> None:
-    """Ranks of one host that share no step and whose steps come one after the other on the host's
-    clock are two windows of one run (or two runs), however close: a window's ranks record the
-    same steps at the same time. _check_overlap's slack lets windows a second apart through
-    (rank 0's window 1 with rank 1's window 2 read as one run, until 2026-12-07)."""
-    first: dict[str, tuple[int, set, float, float]] = {}
+    """Ranks whose profiler steps have no number in common are two windows of one run (or two
+    runs), however close in time: a window's ranks record the same steps, and collectives are
+    matched across ranks by their step's number, so none would match. _check_overlap's slack let
+    windows a second apart through (rank 0's window 1 with rank 1's window 2 read as one run,
+    "exposed communication, high confidence", until 2026-12-07)."""
+    ref: tuple[int, set, str | None, float, float] | None = None
     for r, x in sorted(kept.items()):
         t, tl = x.trace, x.timeline
-        host = t.meta.get("host_name")
-        if not isinstance(host, str) or tl.step_source != "ProfilerStep" or not len(tl.steps):
+        if tl.step_source != "ProfilerStep" or not len(tl.steps):
             continue
+        host = t.meta.get("host_name")
         base = t.meta.get("baseTimeNanoseconds")
         off = base / 1000 if type(base) is int and base > 0 else 0.0
-        mine = (r, set(tl.steps.step.tolist()), float(tl.steps.start.min()) + off, float(tl.steps.end.max()) + off)
-        ref = first.setdefault(host, mine)
-        if ref is mine or ref[1] & mine[1] or not (ref[3] < mine[2] or mine[3] < ref[2]):
+        mine = (r, set(tl.steps.step.tolist()), host if isinstance(host, str) else None,
+                float(tl.steps.start.min()) + off, float(tl.steps.end.max()) + off)
+        if ref is None:
+            ref = mine
+            continue
+        if ref[1] & mine[1]:
             continue
 
-        def said(x: tuple[int, set, float, float]) -> str:
+        def said(x: tuple[int, set, str | None, float, float]) -> str:
             return f"rank {x[0]} steps #{min(x[1])}-#{max(x[1])}"
 
-        raise DiagnoseError(f"{said(ref)} and {said(mine)}, one after the other on host {one_line(host)[:64]}: "
-                            "two windows of one run, or two runs (the ranks of one window record the same "
-                            "steps at the same time); pass one window's files, one a rank", t.path.parent)
+        after = ref[2] is not None and ref[2] == mine[2] and (ref[4] < mine[3] or mine[4] < ref[3])
+        how = f"one after the other on host {one_line(mine[2] or '')[:64]}" if after else "no step in common"
+        raise DiagnoseError(f"{said(ref)} and {said(mine)}, {how}: two windows of one run, or two runs (the ranks "
+                            "of one window record the same steps; collectives are matched by step); pass one "
+                            "window's files, one a rank", t.path.parent)
 
 
 class Reader(Protocol):
