@@ -243,13 +243,13 @@ def run_with_probes(command: list[str], out: Path, schedule: str, quiet_job: boo
                 f"{one_line(str(run_dir))}), or run the job without its profiler")
         if not _wrote_traces(traces):
             # never diagnose anything else: a verdict here could only come from a stale file
-            own = _job_traces(traces) if _profiled_itself(traces) else []
+            itself, own = _job_profiler(traces)
             if own:
                 where = ", ".join(sorted({one_line(str(f.parent)) for f in own})[:4])
                 click.echo(f"diagnose: the job ran its own torch.profiler (exit {code}); torch records one profiler "
                            f"at a time, so the probes recorded no trace: analysing the {len(own)} trace(s) the job "
                            f"wrote in this run ({where}) with the probes' records", err=True)
-            elif _profiled_itself(traces):
+            elif itself:
                 click.echo(f"diagnose: the job ran its own torch.profiler (exit {code}); torch records one "
                            f"profiler at a time, so the probes recorded no trace: {hint}", err=True)
                 return RunOutcome(code, run_dir, "no_traces")
@@ -313,20 +313,6 @@ def _with_other_nodes(run_dir: Path, traces: Path, d, nodes: int, echo: bool, li
         say(f"could not analyse every node's ranks together: {exc}; diagnose analyze {dirs}")
 
 
-def _profiled_itself(traces: Path) -> bool:
-    """A rank's probe saw the job start a torch.profiler of its own (probes.core.on_job_profiler)."""
-    from diagnose.probedata import has_records, read_meta
-
-    traces, _ = last_attempt(traces, has_records)  # a restarted job's last attempt
-    for sidecar in sorted(traces.glob("rank*.probe.json"))[:64]:
-        try:
-            if read_meta(sidecar).get("job_profiler") is True:
-                return True
-        except ValueError:
-            continue
-    return False
-
-
 def _records(traces: Path) -> Path:
     """Where the probes' records are: the traces directory, or a restarted job's last attempt in it."""
     from diagnose.probedata import has_records
@@ -335,24 +321,28 @@ def _records(traces: Path) -> Path:
 
 
 _MAX_SIDECARS = 4096
-"""Ranks whose sidecars name the job's own traces: a bound on what a run directory makes us read."""
+"""Ranks' sidecars read for the job's own profiler: a bound on what a run directory makes us read."""
 
 
-def _job_traces(traces: Path) -> list[Path]:
-    """The traces the job's own profiler wrote in this run, as the probes saw it export them
-    (probes.core.on_job_trace: each rank's last few). Only regular files of ours with a trace's
-    name: a sidecar is the job's writing, and a forged one must not point the analysis at a FIFO
-    or another user's files."""
+def _job_profiler(traces: Path) -> tuple[bool, list[Path]]:
+    """(a rank's probe saw the job start a torch.profiler of its own (probes.core.on_job_profiler),
+    the traces that profiler wrote in this run as the probes saw it export them
+    (probes.core.on_job_trace: each rank's last few)), each sidecar read once. Only regular files
+    of ours with a trace's name: a sidecar is the job's writing, and a forged one must not point
+    the analysis at a FIFO or another user's files."""
     from diagnose.ingest.discover import TRACE_SUFFIXES
     from diagnose.probedata import read_meta
     from diagnose.probes.core import JOB_TRACES_KEPT
 
+    itself = False
     found: dict[Path, None] = {}
     for sidecar in sorted(_records(traces).glob("rank*.probe.json"))[:_MAX_SIDECARS]:
         try:
-            named = read_meta(sidecar).get("job_traces")
+            meta = read_meta(sidecar)
         except ValueError:
             continue
+        itself |= meta.get("job_profiler") is True
+        named = meta.get("job_traces")
         for p in named[-JOB_TRACES_KEPT:] if isinstance(named, list) else []:
             if not isinstance(p, str) or not p.endswith(TRACE_SUFFIXES) or not os.path.isabs(p):
                 continue
@@ -362,7 +352,7 @@ def _job_traces(traces: Path) -> list[Path]:
                 continue
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
                 found[Path(p)] = None
-    return list(found)
+    return itself, list(found) if itself else []
 
 
 def _before_the_window(traces: Path, schedule: str) -> str:

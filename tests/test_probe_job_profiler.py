@@ -119,7 +119,7 @@ def test_a_profiler_the_job_started_before_training_keeps_the_probes_off(tmp_pat
     assert not list((tmp_path / "probe").glob("*.pt.trace.json*"))
     assert probe.job_profiler and probe.meta.get("job_profiler") is True
     assert len(written) == 1
-    # where the job wrote it, for `diagnose run` to analyse (diagnose/launch.py _job_traces)
+    # where the job wrote it, for `diagnose run` to analyse (diagnose/launch.py _job_profiler)
     assert probe.meta["job_traces"] == [os.path.abspath(written[0])]
     assert sorted(n for n in _names(written[0]) if n.startswith("ProfilerStep#")) == ["ProfilerStep#3",
                                                                                       "ProfilerStep#4"]

@@ -390,7 +390,7 @@ def test_the_jobs_own_traces_are_read_only_where_a_sidecar_may_point(tmp_path):
     `job_traces`). A sidecar is written by the job: one forged in a shared run directory must not
     make the launcher read a FIFO (a hang), a directory, a link, a file of another name or
     another user's file; the job's real trace is read, once."""
-    from diagnose.launch import _job_traces
+    from diagnose.launch import _job_profiler
 
     traces = tmp_path / "traces"
     traces.mkdir()
@@ -413,4 +413,4 @@ def test_the_jobs_own_traces_are_read_only_where_a_sidecar_may_point(tmp_path):
     for r in (0, 1):
         (traces / f"rank{r}.probe.json").write_text(json.dumps({"meta": {"job_profiler": True, "job_traces": named}}))
     expect = [real] if os.getuid() == 0 else [real, other]
-    assert _job_traces(traces) == expect
+    assert _job_profiler(traces) == (True, expect)

@@ -35,7 +35,7 @@ import pandas as pd
 from diagnose.errors import DiagnoseError, one_line
 from diagnose.heap import give_back_freed, keep_large_blocks_mapped
 from diagnose.ingest import discover_traces, load_trace
-from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace
+from diagnose.ingest.load import DEFAULT_MAX_BYTES, RankTrace, base_offset_us
 from diagnose.ingest.spill import Spill, Spilled, SpilledMap, Unspilling, pack, unspilled
 from diagnose.ingest.store import Arrivals, ByRank
 from diagnose.step.cover import rank_cover
@@ -568,8 +568,7 @@ def absolute_span_us(t: RankTrace) -> tuple[float, float] | None:
     """[first event start, last event end] on an absolute clock where the file says how."""
     if t.span_us is None:
         return None
-    base = t.meta.get("baseTimeNanoseconds")
-    off = base / 1000 if type(base) is int and base > 0 else 0.0
+    off = base_offset_us(t.meta)
     return t.span_us[0] + off, t.span_us[1] + off
 
 
@@ -603,8 +602,7 @@ def _check_same_steps(kept: Mapping[int, Loaded]) -> None:
         if tl.step_source != "ProfilerStep" or not len(tl.steps):
             continue
         host = t.meta.get("host_name")
-        base = t.meta.get("baseTimeNanoseconds")
-        off = base / 1000 if type(base) is int and base > 0 else 0.0
+        off = base_offset_us(t.meta)
         mine = (r, set(tl.steps.step.tolist()), host if isinstance(host, str) else None,
                 float(tl.steps.start.min()) + off, float(tl.steps.end.max()) + off)
         if ref is None:

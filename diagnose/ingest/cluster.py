@@ -207,19 +207,19 @@ def _one_choice(chose: dict[str, list], hosts: dict[str, str]) -> Choice | None:
     """The window every worker read, where the paths hold repeated windows; DiagnoseError where
     workers chose differently (one host's ranks wrote fewer windows, or one window a rank beside
     another host's several): their ranks would be read from different windows as one run."""
-    picked = {(addr, i): c for addr, got in chose.items() for i, c in got}
-    with_windows = {k: c for k, c in picked.items() if c is not None and c.written > 1}
-    if not with_windows:
+    picked = {(addr, i): (c if c is not None and c.written > 1 else None) for addr, got in chose.items() for i, c in got}
+    windowed = {i for (_, i), c in picked.items() if c is not None}
+    if not windowed:
         return None
-    seen = {(k[1], c.analysed) for k, c in with_windows.items()}
-    plain = [k for k, c in picked.items() if (c is None or c.written <= 1) and k[1] in {i for i, _ in seen}]
-    if len({i for i, _ in seen}) != len(seen) or plain:
-        said = "; ".join(sorted({f"{hosts.get(a, a)}: window {c.analysed} of {c.written}" if c is not None
-                                 and c.written > 1 else f"{hosts.get(a, a)}: one trace a rank"
+    # per path with windows: one window number, and no worker reading it as one trace a rank
+    ways = {(i, c.analysed if c is not None else 0) for (_, i), c in picked.items() if i in windowed}
+    if len(ways) != len(windowed):
+        said = "; ".join(sorted({f"{hosts.get(a, a)}: " + (f"window {c.analysed} of {c.written}" if c is not None
+                                                             else "one trace a rank")
                                  for (a, _), c in picked.items()}))
         raise DiagnoseError(f"the workers' traces are not one window of one run ({said}); pass one window's "
                             "own directory (or --window K)")
-    return next(iter(with_windows.values()))
+    return next(c for c in picked.values() if c is not None)
 
 
 # -- the client side ------------------------------------------------------------------------------

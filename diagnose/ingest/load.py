@@ -47,9 +47,16 @@ from diagnose.ingest.stream import parse_stream
 DEFAULT_MAX_BYTES = 8 * 1024**3
 __all__ = ["COLUMNS", "COMM_KERNEL", "DEFAULT_MAX_BYTES", "KINDS", "KIND_ANNOTATION", "KIND_COMM_KERNEL",
            "KIND_CPU_OP", "KIND_GPU_ANNOTATION", "KIND_KERNEL", "KIND_MEMCPY", "KIND_MEMSET", "KIND_RUNTIME",
-           "RankTrace", "load_trace"]
+           "RankTrace", "base_offset_us", "load_trace"]
 # Step markers, as timeline.py finds them (not imported: timeline imports this module).
 _STEP_MARKER = re.compile(r"^(ProfilerStep#\d+$|Optimizer\.step#)")
+
+
+def base_offset_us(meta: dict) -> float:
+    """What puts a trace's event times on the wall clock (us): Kineto's `baseTimeNanoseconds`,
+    where the file gives one; 0 where not (its times are then on a clock of their own)."""
+    base = meta.get("baseTimeNanoseconds")
+    return base / 1000 if type(base) is int and base > 0 else 0.0
 
 
 @dataclass(slots=True)
