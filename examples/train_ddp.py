@@ -31,6 +31,11 @@ Pathology flags (all off by default: a healthy run):
   --comm-hook bf16          a bf16 compression hook: gradients travel as bf16 (half the bytes)
   --embedding-rows N        a hashed lookup table of N rows first: many parameters, little compute
   --trace-dir DIR           record torch.profiler traces there (as a user would, without the probes)
+  --profile-plain           ... with a plain `with profile():` over --profile-active steps after the
+                            first --profile-wait + --profile-warmup: no schedule, no prof.step(),
+                            so the trace has no ProfilerStep#N (a quick look, as many users take one)
+  --optimizers 2            two optimizers stepped each iteration (SGD on the first layer, Adam on
+                            the rest: DLRM's sparse and dense optimizers)
 
 A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --slow-rank R (-1: all):
   --slow-compute-ms MS      MS of extra compute per step (real CPU work, as a throttled device adds)
@@ -160,6 +165,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-warmup", type=int, default=2)
     p.add_argument("--profile-active", type=int, default=5)
     p.add_argument("--profile-repeat", type=int, default=0, help="windows to record (0: one after another to the end)")
+    p.add_argument("--profile-plain", action="store_true",
+                   help="a plain profile() over --profile-active steps: no schedule, no ProfilerStep#N")
+    p.add_argument("--optimizers", type=int, choices=(1, 2), default=1,
+                   help="2: SGD on the first layer and Adam on the rest, both stepped each iteration")
     p.add_argument("--no-ddp", action="store_true",
                    help="train each rank independently (process group up, no gradient sync)")
     p.add_argument("--stall-rank", type=int, default=-1, help="this rank sleeps --stall-s once, at --stall-at-step")
@@ -308,7 +317,9 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         if args.comm_hook == "bf16":
             model.register_comm_hook(None, bf16_gloo_hook)  # DDP refuses gloo for a hook named bf16_compress_hook
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    opts = [torch.optim.SGD(params, lr=1e-3)] if args.optimizers == 1 else \
+        [torch.optim.SGD(params[:2], lr=1e-3), torch.optim.Adam(params[2:], lr=1e-4)]
     n = args.batch_size * args.grad_accum * (args.steps + 2)
     dataset = SyntheticDataset(n, args.dim, args.slow_getitem_ms if args.slow_getitem_rank in (-1, rank) else 0.0)
     loader = DataLoader(
@@ -325,7 +336,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
                                  batch_size=args.batch_size)
 
     prof = None
-    if args.trace_dir:
+    plain = None  # --profile-plain: the profiler, once started
+    if args.trace_dir and not args.profile_plain:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if use_cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -361,7 +373,11 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
             hog = _start_hog(sorted(os.sched_getaffinity(0))[0] if hasattr(os, "sched_getaffinity") else None)
         if fault and args.slow_loader_ms:
             dataset.slow_s = (args.slow_getitem_ms + args.slow_loader_ms) / 1000.0  # num_workers=0: at once
-        opt.zero_grad(set_to_none=True)
+        if args.trace_dir and args.profile_plain and plain is None and step == args.profile_wait + args.profile_warmup:
+            plain = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+            plain.start()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         ran_out = False
         for micro in range(args.grad_accum):
             try:
@@ -388,8 +404,13 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
             break
         if fault and args.slow_compute_ms:
             _busy(args.slow_compute_ms)
-        opt.step()
+        for opt in opts:
+            opt.step()
         step += 1
+        if plain is not None and step == args.profile_wait + args.profile_warmup + args.profile_active:
+            plain.stop()
+            os.makedirs(args.trace_dir, exist_ok=True)
+            plain.export_chrome_trace(os.path.join(args.trace_dir, f"rank{rank}.pt.trace.json.gz"))
         if args.eval_every and step % args.eval_every == 0:
             evaluate(model, eval_loader)
         if prof is not None:
@@ -411,7 +432,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         # aborted at exit ("terminate called without an active exception", SIGABRT) in three of four
         # e2e runs on 2026-12-04; a mitigation, the cause is not pinned down
         dist.barrier()
-        del model, opt
+        del model, opts
         gc.collect()
         dist.destroy_process_group()
     return 0
