@@ -94,13 +94,14 @@ def cluster_paths(paths: tuple[str, ...], cluster: str | None, local_path: tuple
 
 def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
                       hta: HtaOptions | None = None, link=None, cluster: str | None = None,
-                      probe_paths: list[str] | None = None, window: int | None = None) -> int:
+                      probe_paths: list[str] | None = None, window: int | None = None,
+                      run_k: int | None = None) -> int:
     """Diagnose traces, write DIR/diagnosis.json and DIR/report.html, print the summary."""
     try:
         from diagnose.output import analyze_outputs  # lazily: the CLI starts light
 
         analyze_outputs(paths, out, max_trace_gb, jobs, hta=hta, link=link, cluster=cluster,
-                        probe_paths=probe_paths, window=window)
+                        probe_paths=probe_paths, window=window, run_k=run_k)
     except DiagnoseError as exc:
         fail(str(exc))
     return 0
@@ -126,9 +127,12 @@ def analyze_and_write(paths: list[str], out: Path, max_trace_gb: float = 8.0, jo
 @click.option("--window", "window", default=None, type=int, metavar="K",
               help="Traces of a profiler schedule that repeats (a trace a rank a window): analyse window K "
                    "(1 the first, -1 the last every rank wrote) instead of the last whole one.")
+@click.option("--run", "run_k", default=None, type=int, metavar="K",
+              help="A directory holding several runs' traces (a job rerun into it): analyse run K (1 the "
+                   "first, -1 the newest); without it such a directory is refused, never guessed.")
 def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: int | None, hta: bool,
             hta_budget_mb: float, hta_timeout: float, link_gbps: str | None, cluster: str | None,
-            local_path: tuple[str, ...], probes: tuple[str, ...], window: int | None) -> None:
+            local_path: tuple[str, ...], probes: tuple[str, ...], window: int | None, run_k: int | None) -> None:
     """Diagnose saved per-rank traces (a directory, or files)."""
     from diagnose.output import HtaOptions
 
@@ -140,7 +144,9 @@ def analyze(trace_dir: tuple[str, ...], out: Path, max_trace_gb: float, jobs: in
         probe_paths = [p for p in paths if Path(p).exists()] + [str(probe_records(Path(p))) for p in probes]
     if window == 0:
         fail("--window 0: windows count from 1 (the first) or from -1 (the last every rank wrote)")
-    sys.exit(analyze_and_write(paths, out, max_trace_gb, jobs, opts, link, cluster, probe_paths, window))
+    if run_k == 0:
+        fail("--run 0: runs count from 1 (the first) or from -1 (the newest)")
+    sys.exit(analyze_and_write(paths, out, max_trace_gb, jobs, opts, link, cluster, probe_paths, window, run_k))
 
 
 def probe_records(path: Path) -> Path:

@@ -276,7 +276,8 @@ class HtaOptions:
 
 def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs: int | None = None,
                     echo: bool = True, hta: HtaOptions | None = None, probe_paths: list[str] | None = None,
-                    link=None, cluster: str | None = None, window: int | None = None) -> Diagnosis:
+                    link=None, cluster: str | None = None, window: int | None = None,
+                    run_k: int | None = None) -> Diagnosis:
     """The shared tail of every diagnosing command; raises DiagnoseError on bad input. cluster: a
     Dask scheduler's address (or local:N) whose workers list and read `paths`. Returns what it wrote."""
     from diagnose.output import terminal_summary, write_json
@@ -286,13 +287,14 @@ def analyze_outputs(paths: list[str], out: Path, max_trace_gb: float = 8.0, jobs
     try:
         if cluster is None:
             d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), jobs=jobs, progress=progress,
-                               probe_paths=probe_paths, link=link, window=window)
+                               probe_paths=probe_paths, link=link, window=window, run_k=run_k)
         else:
             from diagnose.ingest.cluster import connect  # lazily: dask only with --cluster
 
             with connect(cluster) as reader:
                 d = diagnose_paths(paths, max_bytes=int(max_trace_gb * 1024**3), progress=progress,
-                                   probe_paths=probe_paths, link=link, reader=reader, window=window)
+                                   probe_paths=probe_paths, link=link, reader=reader, window=window,
+                                   run_k=run_k)
             said = reader.stats.line()
     finally:
         if progress is not None:

@@ -12,6 +12,7 @@ from diagnose.heap import give_back_freed
 from diagnose.ingest.assemble import Progress, Reader, Run, load_run
 from diagnose.ingest.discover import has_traces
 from diagnose.ingest.load import DEFAULT_MAX_BYTES
+from diagnose.ingest.runs import choose_run
 from diagnose.ingest.windows import Choice, choose_window
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
 from diagnose.probedata import ProbeData, has_records, load_probe_data
@@ -167,17 +168,35 @@ def last_windows(paths: list[str | Path], window: int | None = None) -> tuple[li
     return (list(paths), None) if choice is None else (list(choice.files), choice)
 
 
+def one_run(paths: list[str | Path], run_k: int, probes_given: bool) -> tuple[list[str | Path], str]:
+    """The files of run K among several written into the paths (ingest/runs.py), with the line
+    that says so. The probes' records beside them are not read unless given (`--probes`): a
+    rerun overwrote them, so they are one run's at most, maybe another's."""
+    picked = choose_run(paths, run_k)
+    beside = [] if probes_given else [d for d in dict.fromkeys(f.parent for f in picked.files) if has_records(d)]
+    return list(picked.files), picked.note + (f"; the probes' records in {', '.join(map(str, beside))} are not read "
+                                              "(they may be another run's: --probes RUN_DIR adds them)" if beside else "")
+
+
 def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_bytes: int = DEFAULT_MAX_BYTES,
                    jobs: int | None = None, progress: Progress | None = None,
                    probe_paths: list[str | Path] | None = None, link: LinkSpec | None = None,
-                   reader: Reader | None = None, window: int | None = None) -> Diagnosis:
+                   reader: Reader | None = None, window: int | None = None, run_k: int | None = None) -> Diagnosis:
     """probe_paths: where the probes' sidecars and step logs are, when not beside the traces (a
     capture's traces sit in a subdirectory of the run's probe directory). link: see diagnose_run.
     reader: where the traces are read (a Dask cluster's workers); the probes' small files are read
     here, from those of the paths that this machine sees too. window: which of one run's repeated
-    profiler windows (`--window K`; default the last whole one)."""
+    profiler windows (`--window K`; default the last whole one). run_k: which of several runs written
+    into one directory (`--run K`, ingest/runs.py; without it they are refused, never guessed)."""
     paths, restarted = last_attempts(paths)
     here = reader is None or all(Path(p).exists() for p in paths)  # else the workers choose the window
+    if run_k is not None:
+        if not here:
+            raise DiagnoseError(f"--run {run_k}: runs are told apart on this machine; with --cluster pass one run's "
+                                "directory", Path(paths[0]))
+        paths, note = one_run(paths, run_k, probes_given=probe_paths is not None)
+        restarted.append(note)
+        probe_paths = [] if probe_paths is None else probe_paths
     paths, windows = last_windows(paths, window) if here else (paths, None)
     if probe_paths is None and windows and reader is None:
         probe_paths = list(dict.fromkeys(p if Path(p).is_dir() else Path(p).parent for p in paths))

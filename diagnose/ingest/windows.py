@@ -187,21 +187,27 @@ def _by_rank(files: list[Path], heads: dict[Path, Header | None]) -> dict[str, l
     return ranks
 
 
+def trace_files(paths: list[str | Path]) -> tuple[list[Path], list[Path]]:
+    """The traces under the paths, each once, and which of the paths held them in subdirectories
+    (`_nested`); DiagnoseError as discover_traces raises it."""
+    files: list[Path] = []
+    nested: list[Path] = []
+    for p in paths:
+        below = _nested(Path(p))
+        files += below if below is not None else discover_traces([p])
+        nested += [Path(p)] if below is not None else []
+    return list(dict.fromkeys(files)), nested
+
+
 def choose_window(paths: list[str | Path], window: int | None = None) -> Choice | None:
     """The traces of `paths` narrowed to one window a rank where they are one run's repeated
     windows (module doc); None where they are not (the paths are read as they are). window: the
     one asked for (`--window`: 1 the first, -1 the last every rank wrote, cut or not) instead of
     the last whole one; DiagnoseError where not every rank wrote it."""
-    files: list[Path] = []
-    nested: list[Path] = []
     try:
-        for p in paths:
-            below = _nested(Path(p))
-            files += below if below is not None else discover_traces([p])
-            nested += [Path(p)] if below is not None else []
+        files, nested = trace_files(paths)
     except DiagnoseError:
         return None  # said where the traces are read
-    files = list(dict.fromkeys(files))
     heads: dict[Path, Header | None] = {}
     groups = None if nested else _by_stem(files)
     if groups is None or max((len(v) for v in groups.values()), default=0) < 2:
@@ -270,7 +276,8 @@ def two_of_a_rank(a: Path, b: Path) -> str:
     if ha is None or hb is None or ha.pid is None or hb.pid is None:
         return "(mixed runs or repeated captures?); pass one run's files"
     if (ha.pid, ha.host) != (hb.pid, hb.host):
-        return f"from two processes ({_who(ha)}; {_who(hb)}): two runs in one directory; pass one run's files"
+        return (f"from two processes ({_who(ha)}; {_who(hb)}): two runs in one directory; pass one run's files "
+                "(diagnose analyze --run -1: the newest run; --run 1 the first)")
     if ha.start_us == hb.start_us:
         return "of one recording (a copy?); pass one of them"
     return "from one process: two profiled windows of one run; pass one window's files, one a rank"

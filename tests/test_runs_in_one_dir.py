@@ -1,0 +1,111 @@
+"""A job rerun into one directory: its runs refused together, and `--run K` analyses one of them."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diagnose.errors import DiagnoseError
+from diagnose.ingest.runs import choose_run, split_runs
+from diagnose.pipeline import diagnose_paths
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+OLDER, NEWER = "cpu_straggler_2rank", "cpu_huge_bucket_2rank"
+"""Two real 2-rank recordings (2026-12-01 and 2026-12-04), named rank{R}.{stamp}.pt.trace.json.gz
+both, as a rerun into one tensorboard directory leaves them."""
+
+
+@pytest.fixture()
+def reran(tmp_path) -> Path:
+    d = tmp_path / "tb"
+    d.mkdir()
+    for name in (OLDER, NEWER):
+        for f in (FIXTURES / name).glob("*.pt.trace.json.gz"):
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def _claims(d) -> tuple:
+    return (d.run.ranks_found, d.run.steps_analysed, d.run.mean_step_ms,
+            [(f.id, f.ranks, f.recoverable_ms) for f in d.findings])
+
+
+def test_two_runs_are_refused_and_the_error_says_how_to_pick_one(reran):
+    with pytest.raises(DiagnoseError) as e:
+        diagnose_paths([reran])
+    assert "two runs in one directory" in str(e.value) and "--run -1" in str(e.value)
+
+
+@pytest.mark.parametrize("k, name", [(1, OLDER), (-1, NEWER), (2, NEWER), (-2, OLDER)])
+def test_run_k_is_that_run_alone(reran, k, name):
+    d = diagnose_paths([reran], run_k=k)
+    assert _claims(d) == _claims(diagnose_paths([FIXTURES / name]))
+    assert all(Path(f).parent == reran and (FIXTURES / name / Path(f).name).exists() for f in d.run.files.values())
+    assert any("2 runs written into one place" in w and f"run {1 if name == OLDER else 2} is analysed" in w
+               for w in d.warnings)
+
+
+def test_a_run_that_is_not_there_is_one_line(reran):
+    with pytest.raises(DiagnoseError, match="2 runs here"):
+        choose_run([reran], 3)
+
+
+def test_one_run_is_not_several(tmp_path):
+    with pytest.raises(DiagnoseError, match="not several runs"):
+        choose_run([FIXTURES / OLDER], -1)
+
+
+def _trace(d: Path, name: str, rank: int, pid: int, start_s: float) -> Path:
+    """A trace whose first bytes say which process wrote it, and when (as Kineto writes them)."""
+    doc = {"schemaVersion": 1, "distributedInfo": {"backend": "gloo", "rank": rank, "world_size": 2},
+           "host_name": "node", "baseTimeNanoseconds": int(start_s * 1e9),
+           "traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10.0 + i, "dur": 0.5,
+                            "pid": pid, "tid": pid} for i in range(3)]}
+    p = d / name
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def test_runs_one_after_another_are_split_oldest_first(tmp_path):
+    t0 = 1.8e9
+    files = [_trace(tmp_path, f"h_{pid}.1.pt.trace.json", rank, pid, t0 + at)
+             for rank, pid, at in [(0, 10, 0.0), (1, 11, 0.4), (1, 21, 60.3), (0, 20, 60.0)]]
+    runs = split_runs(files)
+    assert [[p.files[0].name for p in r] for r in runs] == [["h_10.1.pt.trace.json", "h_11.1.pt.trace.json"],
+                                                            ["h_20.1.pt.trace.json", "h_21.1.pt.trace.json"]]
+
+
+def test_two_jobs_writing_at_once_are_not_runs(tmp_path):
+    # two 2-rank jobs started together: their processes' starts interleave
+    t0 = 1.8e9
+    files = [_trace(tmp_path, f"h_{pid}.1.pt.trace.json", rank, pid, t0 + at)
+             for rank, pid, at in [(0, 10, 0.0), (0, 20, 0.1), (1, 11, 0.2), (1, 21, 0.3)]]
+    assert split_runs(files) is None
+    # ... or one just after the other, closer than either's own ranks are to one another
+    files = [_trace(tmp_path, f"g_{pid}.1.pt.trace.json", rank, pid, t0 + at)
+             for rank, pid, at in [(0, 30, 0.0), (1, 31, 0.2), (0, 40, 0.3), (1, 41, 0.5)]]
+    assert split_runs(files) is None
+
+
+def test_runs_of_different_ranks_are_not_one_job_rerun(tmp_path):
+    t0 = 1.8e9
+    files = [_trace(tmp_path, f"h_{pid}.1.pt.trace.json", rank, pid, t0 + at)
+             for rank, pid, at in [(0, 10, 0.0), (1, 11, 0.1), (0, 20, 60.0)]]
+    assert split_runs(files) is None
+
+
+def test_the_cli_takes_run_and_refuses_zero(reran, tmp_path):
+    out = tmp_path / "out"
+    ok = subprocess.run([sys.executable, "-m", "diagnose.cli", "analyze", str(reran), "--run", "-1", "--out", str(out)],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    body = json.loads((out / "diagnosis.json").read_text())
+    assert body["findings"][0]["id"] == json.loads(
+        (Path(__file__).resolve().parent / "golden" / f"{NEWER}.json").read_text())["findings"][0]["id"]
+    zero = subprocess.run([sys.executable, "-m", "diagnose.cli", "analyze", str(reran), "--run", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert zero.returncode == 2 and "--run 0" in zero.stderr and len(zero.stderr.strip().splitlines()) == 1
