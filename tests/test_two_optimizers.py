@@ -15,16 +15,19 @@ from diagnose.ingest.load import load_trace
 from diagnose.pipeline import diagnose_paths
 from diagnose.step.timeline import find_steps, iteration_ends
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "cpu_two_optimizers_2rank"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURE = FIXTURES / "cpu_two_optimizers_2rank"
+GAN = FIXTURES / "cpu_gan_2rank"
 SLEEP_MS = 150.0
-"""What rank 1 sleeps before each backward in the fixture (its README)."""
+"""What rank 1 sleeps an iteration in both fixtures (their READMEs)."""
 
 
-def _ends(spans, backward, names=None):
+def _ends(spans, backward, names=None, inner=None):
     start = np.array([s for s, _ in spans], dtype=float)
     end = np.array([e for _, e in spans], dtype=float)
     names = np.array(names or ["Optimizer.step#SGD.step"] * len(spans))
-    return iteration_ends(start, end, np.array(sorted(backward), dtype=float), names)
+    return iteration_ends(start, end, np.array(sorted(backward), dtype=float), names,
+                          None if inner is None else np.array(inner))
 
 
 def test_two_optimizers_back_to_back_end_one_iteration():
@@ -79,3 +82,41 @@ def test_the_straggler_costs_its_sleep_per_step_not_half_of_it():
     # the sleep is the floor of each step's cost; read as two steps an iteration it was 69 ms
     assert 0.8 * SLEEP_MS <= top.recoverable_ms <= 1.3 * SLEEP_MS
     assert min(d.run.mean_step_ms.values()) > SLEEP_MS
+
+
+def test_two_optimizers_each_after_its_own_backward_are_one_iteration_a_cycle():
+    # a GAN: D's backward and step (156 ops), then G's (208 ops), three iterations
+    spans = [(50, 60), (150, 160), (250, 260), (350, 360), (450, 460), (550, 560)]
+    ends, said = _ends(spans, [10, 110, 210, 310, 410, 510], ["Optimizer.step#Adam.step"] * 6,
+                       [156, 208] * 3)
+    assert ends.tolist() == [160, 360, 560]
+    assert said.startswith("2 optimizer steps an iteration, each after its own backward")
+
+
+def test_a_cycle_cut_by_the_window_is_dropped():
+    spans = [(50, 60), (150, 160), (250, 260), (350, 360), (450, 460)]
+    ends, _ = _ends(spans, [10, 110, 210, 310, 410], ["Optimizer.step#Adam.step"] * 5, [156, 208, 156, 208, 156])
+    assert ends.tolist() == [160, 360]
+
+
+def test_one_optimizer_between_alternating_tasks_keeps_a_step_each():
+    # the same optimizer (the same ops each step) after two tasks' backwards in turn
+    spans = [(50, 60), (150, 160), (250, 260), (350, 360)]
+    ends, said = _ends(spans, [10, 110, 210, 310], inner=[40, 40, 40, 40])
+    assert ends.tolist() == [60, 160, 260, 360] and said == ""
+
+
+def test_steps_that_do_not_repeat_exactly_stay_steps():
+    # an optimizer's first step makes its state (more ops), then steps as the others
+    spans = [(50, 60), (150, 160), (250, 260), (350, 360)]
+    ends, _ = _ends(spans, [10, 110, 210, 310], inner=[90, 40, 40, 41])
+    assert ends.tolist() == [60, 160, 260, 360]
+
+
+def test_the_recorded_gan_has_one_step_an_iteration():
+    d = diagnose_paths([GAN])
+    assert d.run.steps_analysed == 5 and d.run.step_source == "optimizer_step"
+    assert any("each after its own backward" in w for w in d.warnings)
+    top = d.findings[0]
+    assert top.id == "straggler" and top.ranks == (1,)
+    assert 0.8 * SLEEP_MS <= top.recoverable_ms <= 1.3 * SLEEP_MS
