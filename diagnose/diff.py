@@ -22,8 +22,9 @@ import click
 from diagnose import __version__
 from diagnose.model import CHECK_ORDER, Diagnosis
 
-DIFF_VERSION = "1.2"  # 1.1: "prediction" (the before run's predicted saving against the measured one);
-# 1.2: "every_step_ms" (both runs' every recorded step outside their windows: extras.window)
+DIFF_VERSION = "1.3"  # 1.1: "prediction" (the before run's predicted saving against the measured one);
+# 1.2: "every_step_ms" (both runs' every recorded step outside their windows: extras.window);
+# 1.3: a side's "run_in_directory" (--before-run/--after-run K) where it was one of several runs there
 COMPONENTS = ("compute_ms", "exposed_comm_ms", "straggler_wait_ms", "dataloader_ms", "other_ms")
 # The breakdown component each check's cause lands in; measured on both sides even when a
 # check passes, so a cause that disappeared still has an "after" number.
@@ -259,7 +260,11 @@ def diff_summary(diff: dict) -> str:
                          f"after {_printable(ha.get('reason') or ha.get('status'))}")
     for side in ("before", "after"):
         s = diff[side]
-        lines.append(f"{side}: {_printable(s['path'])} — {len(s['run']['ranks_found'])} rank(s), "
+        k = s.get("run_in_directory")
+        which = "" if k is None else (f" (run {k} of those written there)" if k > 0 else
+                                      " (the newest run written there)" if k == -1 else
+                                      f" (run {k} from the newest of those written there)")
+        lines.append(f"{side}: {_printable(s['path'])}{which} — {len(s['run']['ranks_found'])} rank(s), "
                      f"{s['run']['device']}, top cause: {s['top'] or 'none'}")
     for note in diff.get("comparability", []):
         lines.append(f"note: {_printable(note)}")
@@ -289,8 +294,11 @@ def _fail(msg: str) -> None:
 
 
 def run_diff(before: str, after: str, out: Path, *, hta: bool = False, hta_budget_mb: float | None = None,
-             hta_timeout: float | None = None, cluster: str | None = None) -> int:
-    """cluster: a Dask scheduler's address (or local:N) whose workers read both runs' traces."""
+             hta_timeout: float | None = None, cluster: str | None = None,
+             runs: tuple[int | None, int | None] = (None, None)) -> int:
+    """cluster: a Dask scheduler's address (or local:N) whose workers read both runs' traces. runs:
+    which run of several written into each side's directory (`--before-run`, `--after-run`: a
+    job rerun into one directory after a fix is its own before and after)."""
     from diagnose.errors import DiagnoseError
 
     with ExitStack() as stack:
@@ -302,11 +310,16 @@ def run_diff(before: str, after: str, out: Path, *, hta: bool = False, hta_budge
                 reader = stack.enter_context(connect(cluster))
             except DiagnoseError as exc:
                 _fail(str(exc))
-        diags = _diagnose_both(before, after, hta, hta_budget_mb, hta_timeout, reader)
+        diags = _diagnose_both(before, after, hta, hta_budget_mb, hta_timeout, reader, runs)
         if reader is not None:
             click.echo(reader.stats.line(), err=True)
-    diff = diff_diagnoses(diags[0], diags[1], before_label=Path(before).name or "before",
-                          after_label=Path(after).name or "after", before_path=before, after_path=after)
+    labels = [(Path(p).name or side) + (f" run {k}" if k is not None else "")
+              for p, side, k in ((before, "before", runs[0]), (after, "after", runs[1]))]
+    diff = diff_diagnoses(diags[0], diags[1], before_label=labels[0], after_label=labels[1], before_path=before,
+                          after_path=after)
+    for side, k in zip(("before", "after"), runs):
+        if k is not None:
+            diff[side]["run_in_directory"] = k
     try:
         written = write_diff(diff, out)
     except OSError as exc:
@@ -318,14 +331,14 @@ def run_diff(before: str, after: str, out: Path, *, hta: bool = False, hta_budge
 
 
 def _diagnose_both(before: str, after: str, hta: bool, hta_budget_mb: float | None, hta_timeout: float | None,
-                   reader) -> list:
+                   reader, runs: tuple[int | None, int | None] = (None, None)) -> list:
     from diagnose.errors import DiagnoseError
     from diagnose.pipeline import diagnose_paths
 
     diags = []
-    for path in (before, after):
+    for path, run_k in zip((before, after), runs):
         try:
-            d = diagnose_paths([path], reader=reader)
+            d = diagnose_paths([path], reader=reader, run_k=run_k)
         except DiagnoseError as exc:
             _fail(str(exc))
         if hta:
@@ -348,8 +361,13 @@ def _diagnose_both(before: str, after: str, hta: bool, hta_budget_mb: float | No
 @click.option("--cluster", default=None, metavar="ADDRESS",
               help="Read both runs' traces on the workers of a Dask cluster (tcp://HOST:8786 or local:N; "
                    "see diagnose analyze --help).")
+@click.option("--before-run", "before_run", default=None, type=int, metavar="K",
+              help="BEFORE_DIR holds several runs' traces (a job rerun into it): compare run K (1 the first, "
+                   "-1 the newest).")
+@click.option("--after-run", "after_run", default=None, type=int, metavar="K",
+              help="The same for AFTER_DIR (it may be BEFORE_DIR: `DIR DIR --before-run 1 --after-run -1`).")
 def diff_command(before_dir: str, after_dir: str, out: Path, hta: bool, hta_budget_mb: float | None,
-                 hta_timeout: float | None, cluster: str | None) -> None:
+                 hta_timeout: float | None, cluster: str | None, before_run: int | None, after_run: int | None) -> None:
     """Compare two runs: what disappeared, appeared or changed, and the step time change."""
     from diagnose.errors import DiagnoseError
     from diagnose.ingest.cluster import paths_to_read  # dask itself is imported only to connect
@@ -358,5 +376,7 @@ def diff_command(before_dir: str, after_dir: str, out: Path, hta: bool, hta_budg
         paths_to_read((before_dir, after_dir), cluster, (), hta)
     except DiagnoseError as exc:
         _fail(str(exc))
+    if 0 in (before_run, after_run):
+        _fail("--before-run/--after-run 0: runs count from 1 (the first) or from -1 (the newest)")
     sys.exit(run_diff(before_dir, after_dir, out, hta=hta, hta_budget_mb=hta_budget_mb, hta_timeout=hta_timeout,
-                      cluster=cluster))
+                      cluster=cluster, runs=(before_run, after_run)))

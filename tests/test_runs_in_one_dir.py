@@ -37,7 +37,7 @@ def _claims(d) -> tuple:
 def test_two_runs_are_refused_and_the_error_says_how_to_pick_one(reran):
     with pytest.raises(DiagnoseError) as e:
         diagnose_paths([reran])
-    assert "two runs in one directory" in str(e.value) and "--run -1" in str(e.value)
+    assert "two runs in one directory" in str(e.value) and "analyze --run K" in str(e.value)
 
 
 @pytest.mark.parametrize("k, name", [(1, OLDER), (-1, NEWER), (2, NEWER), (-2, OLDER)])
@@ -109,3 +109,21 @@ def test_the_cli_takes_run_and_refuses_zero(reran, tmp_path):
     zero = subprocess.run([sys.executable, "-m", "diagnose.cli", "analyze", str(reran), "--run", "0", "--out", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert zero.returncode == 2 and "--run 0" in zero.stderr and len(zero.stderr.strip().splitlines()) == 1
+
+
+def test_diff_compares_two_runs_of_one_directory(reran, tmp_path):
+    """A job rerun into one directory after a fix is its own before and after."""
+    out = tmp_path / "diff"
+    res = subprocess.run([sys.executable, "-m", "diagnose.cli", "diff", str(reran), str(reran), "--before-run", "1",
+                          "--after-run", "-1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    body = json.loads((out / "diff.json").read_text())
+    golden = Path(__file__).resolve().parent / "golden"
+    for side, name in (("before", OLDER), ("after", NEWER)):
+        assert body[side]["top"] == json.loads((golden / f"{name}.json").read_text())["findings"][0]["id"]
+    assert body["before"]["run_in_directory"] == 1 and body["after"]["run_in_directory"] == -1
+    assert "(run 1 of those written there)" in res.stdout and "(the newest run written there)" in res.stdout
+    # without a run each side is refused, and the line says how to pick one
+    res = subprocess.run([sys.executable, "-m", "diagnose.cli", "diff", str(reran), str(reran), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "--before-run/--after-run" in res.stderr

@@ -239,9 +239,9 @@ def _ops_inside(ev: pd.DataFrame, spans: pd.DataFrame) -> np.ndarray:
     """How many host ops start inside each span on its own thread: what an optimizer's step does,
     which its parameters fix (an Adam over 6 tensors ran 156 ops a step, one over 8 ran 208)."""
     ops = ev[_kind_mask(ev, KIND_CPU_OP)]
-    op_tids, op_ts = ops["tid"].astype(str).to_numpy(), ops["ts"].to_numpy(dtype=float)
+    op_tids, op_ts = _tid_codes(ops), ops["ts"].to_numpy(dtype=float)
     out = np.zeros(len(spans), dtype=np.int64)
-    tids = spans["tid"].astype(str).to_numpy()
+    tids = _tid_codes(spans)
     for tid in set(tids):
         ts = np.sort(op_ts[op_tids == tid])
         mine = tids == tid
@@ -249,6 +249,13 @@ def _ops_inside(ev: pd.DataFrame, spans: pd.DataFrame) -> np.ndarray:
         out[mine] = np.searchsorted(ts, s + spans["dur"].to_numpy(dtype=float)[mine], side="right") - \
             np.searchsorted(ts, s, side="left")
     return out
+
+
+def _tid_codes(rows: pd.DataFrame) -> np.ndarray:
+    """Each row's thread as a number, the same for rows of one trace's events (its category's code;
+    as text where the column is not categorical)."""
+    tid = rows["tid"]
+    return tid.cat.codes.to_numpy() if isinstance(tid.dtype, pd.CategoricalDtype) else tid.astype(str).to_numpy()
 
 
 MAX_CYCLE = 8
