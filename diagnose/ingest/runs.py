@@ -16,13 +16,12 @@ same time are not runs one after the other, and stay refused.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from diagnose.errors import DiagnoseError
 from diagnose.ingest.discover import rank_from_name
-from diagnose.ingest.windows import Header, read_header, trace_files
+from diagnose.ingest.windows import Header, read_header, trace_files, wall_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +35,15 @@ class RunChoice:
 
 
 @dataclass(frozen=True, slots=True)
-class _Process:
+class Process:
+    """One process that wrote traces: its rank, when its first trace starts, its files in order."""
+
     rank: int
     start_us: float
     files: tuple[Path, ...]
 
 
-def _processes(files: list[Path]) -> list[_Process] | None:
+def _processes(files: list[Path]) -> list[Process] | None:
     """The processes that wrote the files, in the order they started; None where a file's first
     bytes do not say which process wrote it, or one process wrote traces of two ranks."""
     by: dict[tuple[str | None, int], list[tuple[Path, Header]]] = {}
@@ -57,18 +58,18 @@ def _processes(files: list[Path]) -> list[_Process] | None:
         if len(ranks) != 1:
             return None
         rank = ranks.pop()
-        out.append(_Process(rank=0 if rank is None else rank, start_us=min(h.start_us for _, h in got),
+        out.append(Process(rank=0 if rank is None else rank, start_us=min(h.start_us for _, h in got),
                             files=tuple(f for f, _ in sorted(got, key=lambda fh: fh[1].start_us))))
     return sorted(out, key=lambda p: p.start_us)
 
 
-def split_runs(files: list[Path]) -> list[list[_Process]] | None:
+def split_runs(files: list[Path]) -> list[list[Process]] | None:
     """The files' processes as runs one after the other (module doc), oldest first; None where
     they are not that (one run, or files that do not say)."""
     procs = _processes(files)
     if procs is None:
         return None
-    runs: list[list[_Process]] = [[]]
+    runs: list[list[Process]] = [[]]
     for p in procs:
         if any(q.rank == p.rank for q in runs[-1]):
             runs.append([])
@@ -81,10 +82,6 @@ def split_runs(files: list[Path]) -> list[list[_Process]] | None:
         if gap <= max(spread[k], spread[k + 1]):
             return None  # interleaved: two jobs at once, not one run after another
     return runs
-
-
-def _when(us: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(us / 1e6)) if us > 1e15 else f"{us / 1e6:.0f} s"
 
 
 def choose_run(paths: list[str | Path], run: int) -> RunChoice:
@@ -100,9 +97,10 @@ def choose_run(paths: list[str | Path], run: int) -> RunChoice:
     if not 1 <= k <= len(runs):
         raise DiagnoseError(f"--run {run}: {len(runs)} runs here (1 the first, -1 the newest)", where)
     chosen = runs[k - 1]
-    starts = ", ".join(f"{i + 1}: {_when(r[0].start_us)}" for i, r in enumerate(runs))
+    starts = ", ".join(f"{i + 1}: {wall_time(r[0].start_us) or f'{r[0].start_us / 1e6:.0f} s'}"
+                       for i, r in enumerate(runs))
+    others = sum(len(p.files) for r in runs if r is not chosen for p in r)
     note = (f"{where}: {len(runs)} runs written into one place (started {starts}); run {k} is analysed "
-            f"(--run {run}), the other runs' {sum(len(p.files) for r in runs for p in r) - sum(len(p.files) for p in chosen)} "
-            "trace(s) are not read")
+            f"(--run {run}), the other runs' {others} trace(s) are not read")
     return RunChoice(files=[f for p in sorted(chosen, key=lambda p: p.rank) for f in p.files], analysed=k,
                      count=len(runs), note=note)

@@ -261,11 +261,16 @@ def choose_window(paths: list[str | Path], window: int | None = None) -> Choice 
                   asked=window is not None)
 
 
+def wall_time(us: float | None) -> str | None:
+    """A header's start as a UTC time, where it is on the wall clock (the file gave its base)."""
+    if us is None or us <= 1e15:
+        return None
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(us / 1e6))
+
+
 def _who(h: Header) -> str:
-    when = ""
-    if h.start_us is not None and h.start_us > 1e15:  # on the wall clock (the file gave its base)
-        when = time.strftime(" from %Y-%m-%d %H:%M:%S UTC", time.gmtime(h.start_us / 1e6))
-    return f"pid {h.pid}{when}"
+    when = wall_time(h.start_us)
+    return f"pid {h.pid}" + (f" from {when}" if when else "")
 
 
 def two_of_a_rank(a: Path, b: Path) -> str:
