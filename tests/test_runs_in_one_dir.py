@@ -91,10 +91,18 @@ def test_two_jobs_writing_at_once_are_not_runs(tmp_path):
     assert split_runs(files) is None
 
 
-def test_runs_of_different_ranks_are_not_one_job_rerun(tmp_path):
+def test_a_job_rerun_on_more_ranks_is_two_runs(tmp_path):
     t0 = 1.8e9
     files = [_trace(tmp_path, f"h_{pid}.1.pt.trace.json", rank, pid, t0 + at)
-             for rank, pid, at in [(0, 10, 0.0), (1, 11, 0.1), (0, 20, 60.0)]]
+             for rank, pid, at in [(0, 10, 0.0), (0, 20, 60.0), (1, 21, 60.1), (2, 22, 60.1), (3, 23, 60.2)]]
+    assert [sorted(p.rank for p in r) for r in split_runs(files)] == [[0], [0, 1, 2, 3]]
+
+
+def test_a_process_counted_into_another_jobs_run_is_refused(tmp_path):
+    # job A's rank 1 started its profiler late, after job B's rank 0: A1 would join B0's run
+    t0 = 1.8e9
+    files = [_trace(tmp_path, f"h_{pid}.1.pt.trace.json", rank, pid, t0 + at)
+             for rank, pid, at in [(0, 10, 0.0), (0, 20, 5.0), (1, 11, 10.0), (1, 21, 15.0)]]
     assert split_runs(files) is None
 
 

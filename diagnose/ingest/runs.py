@@ -9,10 +9,12 @@ guessed. `diagnose analyze --run K` picks one: 1 the first, -1 the newest.
 A run is told from another by what each file's first bytes say (windows.read_header: the rank,
 the host and the pid of the process that wrote it, and when it started): one process a rank, the
 processes of one run starting before any of the next run's. Taken for runs only where the
-files say so unambiguously: every process named by its bytes, every run holding the same ranks,
-and the runs apart in time (the gap between one run's last process start and the next run's
-first wider than either run's own spread of starts). Two jobs writing into one directory at the
-same time are not runs one after the other, and stay refused.
+files say so unambiguously: every process named by its bytes, and the runs apart in time (the gap
+between one run's last process start and the next run's first wider than either run's own spread
+of starts). A process of one job counted into another's run would widen that run's spread past
+the gap: two jobs whose processes started interleaved stay refused. Runs may differ in their
+ranks (a job rerun on more devices: `diagnose scale`'s question); the chosen run's missing ranks
+are said as any run's are.
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def split_runs(files: list[Path]) -> list[list[Process]] | None:
         if any(q.rank == p.rank for q in runs[-1]):
             runs.append([])
         runs[-1].append(p)
-    if len(runs) < 2 or len({frozenset(p.rank for p in r) for r in runs}) != 1:
+    if len(runs) < 2:
         return None
     spread = [r[-1].start_us - r[0].start_us for r in runs]
     for k in range(len(runs) - 1):
