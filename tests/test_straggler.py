@@ -87,6 +87,18 @@ def test_last_by_chance_is_jitter_not_a_straggler(tmp_path):
     assert "the 1.3 ms per step of waiting is arrival jitter" in c.reason
 
 
+def test_a_rank_last_at_too_few_collectives_to_tell_is_not_called_jitter(tmp_path):
+    # rank 1 last at both of 2 steps, unevenly (2 and 4.5 ms): no test can reject jitter on 2
+    # collectives, nor can they say it is jitter; the check says which, and how many it would need
+    write_pair(tmp_path, [1, 1], late_us=[2_000.0, 4_500.0])
+    d = diagnose_paths([tmp_path])
+    c = straggler(d)
+    assert c.status == "passed" and c.measured_ms == 0.0
+    assert c.reason.startswith("cannot tell a straggler from jitter here: rank 1 is last at all 2 collectives")
+    assert "it needs 6 all late" in c.reason and "arrival jitter" not in c.reason
+    assert "straggler" not in [f.id for f in d.findings]
+
+
 def write_ranks(directory, lates: list[dict[int, float]], n: int = 4) -> None:
     """n gloo ranks; at step s each rank computes lates[s].get(rank, 0) us longer before the
     all-reduce, which everyone leaves TRANSFER_US after the last arrival."""

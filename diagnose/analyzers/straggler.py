@@ -41,6 +41,7 @@ Why the rank is late (its breakdown and its ops against the median rank's): why_
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -139,6 +140,21 @@ class LateRank:
     """Share of the every-step collectives at which a named rank came last (None: no record)."""
     tests: int = 2
     """How many tests p_value is the smallest of."""
+    all_last_p: float = 0.0
+    """The binomial test's p-value had the named ranks come last at every profiled collective."""
+
+    def too_few(self, th: Thresholds) -> int | None:
+        """Where the named ranks came last at every collective and the tests still could not tell
+        (no every-step record to add more): how many all-late collectives the binomial test needs
+        (2 ranks at alpha 0.05 over 3 tests: 6); None otherwise. Such a window cannot say jitter
+        either: a rank last at both collectives of a 2-step window, 155.7 ms of waiting a step (63%
+        of it), was called "arrival jitter" (examples/train_ddp.py --pathology straggler profiled
+        2 steps a window, 1 run in 14 here)."""
+        limit = th.straggler_alpha / max(self.tests, 1)
+        if self.units < 2 or self.consistent < 1.0 or self.every_agree is not None or self.all_last_p <= limit:
+            return None
+        p0 = self.all_last_p ** (1.0 / self.units)  # the chance a named rank is last at one collective
+        return math.ceil(math.log(limit) / math.log(p0)) if 0.0 < p0 < 1.0 else None
 
     def beyond_chance(self, th: Thresholds) -> bool:
         """A straggler, not jitter. With under 2 collectives neither test can tell: still named
@@ -257,7 +273,8 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
         tests += 1 + single
     return LateRank(named=tuple(named), last_share={int(r): float(v) for r, v in last_share.items()},
                     consistent=float(pc["last_rank"].isin(named).mean()), chance=chance, p_value=p_value,
-                    units=units, metrics=metrics, every_agree=agree, tests=tests)
+                    units=units, metrics=metrics, every_agree=agree, tests=tests,
+                    all_last_p=binom_sf(n, n, min(1.0, chance * len(named))))
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
@@ -369,6 +386,13 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                 "named ranks (after the last of the others arrived)." if len(named) > 1 else
                 "Median over the other ranks of per-step time spent waiting, at each collective, for the "
                 "last rank alone (after the second-latest arrived)."))
+    if not late.beyond_chance(th) and (need := late.too_few(th)) is not None:
+        return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
+                      reason=f"cannot tell a straggler from jitter here: {who} last at all {n} collectives, too few "
+                             f"for the chance test (it needs {need} all late; p={late.p_value:.3f}, above "
+                             f"{th.straggler_alpha / max(late.tests, 1):.4g} for each of {late.tests} tests): the "
+                             f"{ms:.1f} ms per step of waiting for {'it' if len(named) == 1 else 'them'} may be "
+                             "either; profile more steps to tell (not booked as exposed communication either)")]
     if not late.beyond_chance(th):
         # measured 0: the waiting is the communication check's, counted there once
         return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
