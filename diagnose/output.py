@@ -181,6 +181,11 @@ def terminal_summary(d: Diagnosis) -> str:
         lines.append(f"  caution: {len(r.ranks_found)} of {r.world_size} ranks here (rank(s) "
                      f"{rank_ranges(r.ranks_missing)} missing): a cause there is not seen, and waiting for them reads "
                      "as communication here; analyse every rank's traces together")
+    waited = d.extras.get("unnamed_wait")
+    if waited and f is None:
+        from diagnose.step.breakdown import unnamed_wait_caution
+
+        lines.append(f"  caution: {unnamed_wait_caution(waited)}")
     window = d.extras.get("window") or {}
     if window.get("unlike") and (f is None or f.kind != "capacity"):  # "nothing found" from an unusual window too
         from diagnose.step.window import caution

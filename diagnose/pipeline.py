@@ -17,7 +17,7 @@ from diagnose.ingest.windows import Choice, choose_window
 from diagnose.model import CHECK_ORDER, Check, Diagnosis, Finding, RunFacts
 from diagnose.probedata import ProbeData, has_records, load_probe_data
 from diagnose.rundir import last_attempt
-from diagnose.step.breakdown import BreakdownRows
+from diagnose.step.breakdown import BreakdownRows, unnamed_wait
 from diagnose.step.link import LinkSpec
 from diagnose.step.window import window_against_run
 from diagnose.thresholds import DEFAULT, Thresholds
@@ -114,6 +114,8 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     give_back_freed()
     if replayed is not None:
         findings, checks, extras["replay"] = replayed
+    if not findings and (waited := unnamed_wait(table, th.straggler)) is not None:
+        extras["unnamed_wait"] = waited
     return Diagnosis(run=facts, checks=tuple(checks), findings=tuple(findings),
                      breakdown=BreakdownRows(table), warnings=tuple(run.warnings + warnings),
                      skipped=tuple(run.skipped), extras=extras)

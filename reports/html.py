@@ -41,7 +41,20 @@ def _headline(d: dict) -> str:
     counts = {s: sum(1 for c in checks if _dict(c).get("status") == s) for s in STATUS_LABEL}
     return (f'<p class="headline"><strong>No significant cause found.</strong> '
             f'{counts["passed"]} check(s) passed, {counts["not_measurable"]} could not be measured; '
-            f'the step breakdown below shows where the time goes.</p>' + _window(d))
+            f'the step breakdown below shows where the time goes.</p>' + _unnamed_wait(d) + _window(d))
+
+
+def _unnamed_wait(d: dict) -> str:
+    """The caution under "no significant cause" where a rank waited for late peers at least the
+    straggler check's threshold and nothing was named (extras.unnamed_wait)."""
+    from diagnose.step.breakdown import unnamed_wait_caution
+
+    w = _dict(_dict(d.get("extras")).get("unnamed_wait"))
+    try:
+        text = unnamed_wait_caution(w) if w else ""
+    except (KeyError, TypeError, ValueError):  # a hand-edited diagnosis.json: no caution, no crash
+        return ""
+    return f'<p class="warn">Caution: {esc(text)}.</p>' if text else ""
 
 
 def _window(d: dict) -> str:

@@ -174,3 +174,27 @@ class BreakdownRows(Sequence):
         causes = {c: float(cols[k][i]) for c, k in zip(CLASSES, CAUSE_COLUMNS)} if cols[HAS_CAUSES][i] else {}
         return StepBreakdown(rank=int(cols["rank"][i]), step=int(cols["step"][i]), start_us=float(cols["start_us"][i]),
                              **{f: cols[f][i] for f in MS_FIELDS}, other_by_cause_ms=causes)
+
+
+def unnamed_wait(table: pd.DataFrame, flag_share: float) -> dict | None:
+    """The rank that waited longest at collectives for late peers, where that is at least
+    `flag_share` of its step (the straggler check's flag threshold): {rank, wait_ms, share}, said
+    beside "no significant cause" (extras.unnamed_wait). A wait the straggler check could not
+    attribute (too few collectives for its chance test) left "no significant cause found" alone
+    over 155.7 ms of waiting a step, 63% of it."""
+    if table.empty:
+        return None
+    per = table.groupby("rank")[["straggler_wait_ms", "step_ms"]].mean()
+    per = per[per["step_ms"] > 0]
+    share = per["straggler_wait_ms"] / per["step_ms"]
+    share = share[share >= flag_share]
+    if share.empty:
+        return None
+    r = int(per.loc[share.index, "straggler_wait_ms"].idxmax())
+    return {"rank": r, "wait_ms": round(float(per.at[r, "straggler_wait_ms"]), 3), "share": round(float(share[r]), 4)}
+
+
+def unnamed_wait_caution(w: dict) -> str:
+    """The caution's text (terminal and report) for extras.unnamed_wait."""
+    return (f"rank {w['rank']} waited {w['wait_ms']:.1f} ms per step ({w['share']:.0%}) at collectives for a late "
+            "peer, and no check named a cause: the straggler check says why")
