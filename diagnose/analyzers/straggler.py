@@ -386,21 +386,18 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                 "named ranks (after the last of the others arrived)." if len(named) > 1 else
                 "Median over the other ranks of per-step time spent waiting, at each collective, for the "
                 "last rank alone (after the second-latest arrived)."))
-    if not late.beyond_chance(th) and (need := late.too_few(th)) is not None:
-        return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
-                      reason=f"cannot tell a straggler from jitter here: {who} last at all {n} collectives, too few "
-                             f"for the chance test (it needs {need} all late; p={late.p_value:.3f}, above "
-                             f"{th.straggler_alpha / max(late.tests, 1):.4g} for each of {late.tests} tests): the "
-                             f"{ms:.1f} ms per step of waiting for {'it' if len(named) == 1 else 'them'} may be "
-                             "either; profile more steps to tell (not booked as exposed communication either)")]
     if not late.beyond_chance(th):
         # measured 0: the waiting is the communication check's, counted there once
+        tested = f"p={late.p_value:.3f}, above {th.straggler_alpha / max(late.tests, 1):.4g} for each of {late.tests} tests"
+        need = late.too_few(th)
+        said = (f"cannot tell a straggler from jitter here: {who} last at all {n} collectives, too few for the "
+                f"chance test (it needs {need} all late; {tested}): the {ms:.1f} ms per step of waiting for "
+                f"{'it' if len(named) == 1 else 'them'} may be either; profile more steps to tell" if need is not None
+                else f"no rank is late more than chance: {who} last at {consistent:.0%} of {n} collectives against "
+                     f"{late.chance:.0%} by chance ({tested}); the {ms:.1f} ms per step of waiting is arrival "
+                     "jitter: no single rank to fix")
         return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
-                      reason=f"no rank is late more than chance: {who} last at {consistent:.0%} of {n} "
-                             f"collectives against {late.chance:.0%} by chance (p={late.p_value:.3f}, above "
-                             f"{th.straggler_alpha / max(late.tests, 1):.4g} for each of {late.tests} tests); the "
-                             f"{ms:.1f} ms per step of waiting is arrival jitter: no single rank to fix, and "
-                             "not booked as exposed communication either")]
+                      reason=said + ", and not booked as exposed communication either")]
     if size is None:
         return [flag_or_pass(f, th.straggler, th, reason)]
     # decided by its effect; the finding keeps its own estimate, which the replay then replaces
