@@ -24,7 +24,7 @@ def test_a_jobs_own_profiler_repeating_until_the_end_is_read_from_its_last_whole
     a trace a rank a window, the last cut by the run's end. Until 2026-12-07: "two traces for
     rank 0 ... mixed runs?". Now window 2 of 3 (the third holds one step of three). Windows of
     3 steps, not 2: with one all-reduce a step, 2 left the straggler's chance test near its
-    threshold (a rerun of this job failed so 1 time in 14 here, 2026-12-07)."""
+    threshold (the rerun test below, at 2-step windows, failed so 3 times in 25 here, 2026-12-07)."""
     res = torchrun(tmp_path, "--pathology", "straggler", "--steps", "13", "--trace-default-names",
                    "--profile-repeat", "0", "--profile-wait", "1", "--profile-warmup", "1", "--profile-active", "3")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -41,8 +41,9 @@ def test_a_job_rerun_into_its_own_profiler_directory_is_read_one_run_at_a_time(t
     reads each run alone, its windows chosen as before."""
     from diagnose.errors import DiagnoseError
 
-    # windows of 3 steps: 2 (one all-reduce a step) left the straggler's chance test at p=0.019
-    # against its 0.0167 in 1 of 14 tries here (the 155.7 ms of waiting then read as jitter)
+    # windows of 3 steps: at 2 (one all-reduce a step) the straggler's chance test missed its
+    # threshold in 3 of 25 tries here (one: p=0.019 against 0.0167, 155.7 ms of waiting read as
+    # jitter); 0 of 13 at 3 (this test 3 times, a /tmp loop of its two jobs 10)
     common = ("--pathology", "straggler", "--steps", "11", "--trace-default-names", "--profile-repeat", "0",
               "--profile-wait", "1", "--profile-warmup", "1", "--profile-active", "3")
     for late in ("1", "0"):

@@ -149,7 +149,7 @@ class LateRank:
         (2 ranks at alpha 0.05 over 3 tests: 6); None otherwise. Such a window cannot say jitter
         either: a rank last at both collectives of a 2-step window, 155.7 ms of waiting a step (63%
         of it), was called "arrival jitter" (examples/train_ddp.py --pathology straggler profiled
-        2 steps a window, 1 run in 14 here)."""
+        2 steps a window: 3 of 25 tries here)."""
         limit = th.straggler_alpha / max(self.tests, 1)
         if self.units < 2 or self.consistent < 1.0 or self.every_agree is not None or self.all_last_p <= limit:
             return None
