@@ -190,14 +190,14 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
     here, from those of the paths that this machine sees too. window: which of one run's repeated
     profiler windows (`--window K`; default the last whole one). run_k: which of several runs written
     into one directory (`--run K`, ingest/runs.py; without it they are refused, never guessed)."""
-    paths, restarted = last_attempts(paths)
+    paths, notes = last_attempts(paths)  # and which run, which window: said as warnings
     here = reader is None or all(Path(p).exists() for p in paths)  # else the workers choose the window
     if run_k is not None:
         if not here:
             raise DiagnoseError(f"--run {run_k}: runs are told apart on this machine; with --cluster pass one run's "
                                 "directory", Path(paths[0]))
         paths, note = one_run(paths, run_k, probes_given=probe_paths is not None)
-        restarted.append(note)
+        notes.append(note)
         probe_paths = [] if probe_paths is None else probe_paths
     paths, windows = last_windows(paths, window) if here else (paths, None)
     if probe_paths is None and windows and reader is None:
@@ -208,7 +208,7 @@ def diagnose_paths(paths: list[str | Path], th: Thresholds = DEFAULT, *, max_byt
         windows = getattr(reader, "windows", None)
         if window is not None and windows is None:
             raise DiagnoseError(f"--window {window}: no repeated profiler windows of one run on the workers")
-    run.warnings.extend(restarted + ([windows.note] if windows else []))
+    run.warnings.extend(notes + ([windows.note] if windows else []))
     if probe_paths is None:
         probe_paths = paths if reader is None else [p for p in paths if Path(p).exists()]
     probes = load_probe_data(probe_paths) if probe_paths else {}

@@ -15,6 +15,7 @@ backward on rank R (it arrives late at the generator's gradient all-reduce).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 
@@ -25,7 +26,7 @@ from torch import nn
 
 def mlp(sizes: list[int], last: nn.Module | None = None) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for a, b in zip(sizes, sizes[1:]):
+    for a, b in itertools.pairwise(sizes):
         layers += [nn.Linear(a, b), nn.LeakyReLU(0.2)]
     layers[-1] = last if last is not None else nn.Identity()
     return nn.Sequential(*layers)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if distributed else 0
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu")
     torch.manual_seed(rank)
     torch.set_num_threads(1)
 

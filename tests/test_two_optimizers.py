@@ -23,11 +23,9 @@ SLEEP_MS = 150.0
 
 
 def _ends(spans, backward, names=None, inner=None):
-    start = np.array([s for s, _ in spans], dtype=float)
-    end = np.array([e for _, e in spans], dtype=float)
+    end = np.array([e for _, e in spans], dtype=float)  # spans as (start, end), sorted by start
     names = np.array(names or ["Optimizer.step#SGD.step"] * len(spans))
-    return iteration_ends(start, end, np.array(sorted(backward), dtype=float), names,
-                          None if inner is None else np.array(inner))
+    return iteration_ends(end, np.array(sorted(backward), dtype=float), names, None if inner is None else np.array(inner))
 
 
 def test_two_optimizers_back_to_back_end_one_iteration():

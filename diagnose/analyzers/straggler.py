@@ -140,8 +140,6 @@ class LateRank:
     """Share of the every-step collectives at which a named rank came last (None: no record)."""
     tests: int = 2
     """How many tests p_value is the smallest of."""
-    all_last_p: float = 0.0
-    """The binomial test's p-value had the named ranks come last at every profiled collective."""
 
     def too_few(self, th: Thresholds) -> int | None:
         """Where the named ranks came last at every collective and the tests still could not tell
@@ -151,10 +149,11 @@ class LateRank:
         of it), was called "arrival jitter" (examples/train_ddp.py --pathology straggler profiled
         2 steps a window: 3 of 25 tries here)."""
         limit = th.straggler_alpha / max(self.tests, 1)
-        if self.units < 2 or self.consistent < 1.0 or self.every_agree is not None or self.all_last_p <= limit:
+        p0 = min(1.0, self.chance * len(self.named))  # by chance, a named rank last at one collective
+        if self.units < 2 or self.consistent < 1.0 or self.every_agree is not None or not 0.0 < p0 < 1.0 \
+                or p0 ** self.units <= limit:  # the binomial test's p-value, every collective's last named
             return None
-        p0 = self.all_last_p ** (1.0 / self.units)  # the chance a named rank is last at one collective
-        return math.ceil(math.log(limit) / math.log(p0)) if 0.0 < p0 < 1.0 else None
+        return math.ceil(math.log(limit) / math.log(p0))
 
     def beyond_chance(self, th: Thresholds) -> bool:
         """A straggler, not jitter. With under 2 collectives neither test can tell: still named
@@ -273,8 +272,7 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
         tests += 1 + single
     return LateRank(named=tuple(named), last_share={int(r): float(v) for r, v in last_share.items()},
                     consistent=float(pc["last_rank"].isin(named).mean()), chance=chance, p_value=p_value,
-                    units=units, metrics=metrics, every_agree=agree, tests=tests,
-                    all_last_p=binom_sf(n, n, min(1.0, chance * len(named))))
+                    units=units, metrics=metrics, every_agree=agree, tests=tests)
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:

@@ -30,10 +30,8 @@ from diagnose.ingest.windows import Header, read_header, trace_files, wall_time
 class RunChoice:
     files: list[Path]
     """The chosen run's traces (each rank's process's files: its windows, if it wrote several)."""
-    analysed: int
-    """The run read, counted from 1 in the order they started."""
-    count: int
     note: str
+    """The warning that says which run of how many, and when each started."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,5 +102,4 @@ def choose_run(paths: list[str | Path], run: int) -> RunChoice:
     others = sum(len(p.files) for r in runs if r is not chosen for p in r)
     note = (f"{where}: {len(runs)} runs written into one place (started {starts}); run {k} is analysed "
             f"(--run {run}), the other runs' {others} trace(s) are not read")
-    return RunChoice(files=[f for p in sorted(chosen, key=lambda p: p.rank) for f in p.files], analysed=k,
-                     count=len(runs), note=note)
+    return RunChoice(files=[f for p in sorted(chosen, key=lambda p: p.rank) for f in p.files], note=note)

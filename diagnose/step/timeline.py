@@ -223,8 +223,8 @@ def find_steps(ev: pd.DataFrame) -> tuple[pd.DataFrame, str, list[str]]:
         return steps, source, warnings
     opt = ev[host & _names_matching(ev, OPTIMIZER_STEP)].sort_values("ts", kind="stable")
     bw = np.sort(ev.loc[_kind_mask(ev, KIND_CPU_OP) & _names_matching(ev, AUTOGRAD_BACKWARD), "ts"].to_numpy())
-    ends, stepped = iteration_ends(opt["ts"].to_numpy(dtype=float), (opt["ts"] + opt["dur"]).to_numpy(dtype=float),
-                                   bw, opt["name"].astype(str).to_numpy(), _ops_inside(ev, opt))
+    ends, stepped = iteration_ends((opt["ts"] + opt["dur"]).to_numpy(dtype=float), bw,
+                                   opt["name"].astype(str).to_numpy(), _ops_inside(ev, opt))
     if len(ends) >= 2:
         steps = pd.DataFrame({"step": np.arange(1, len(ends), dtype=np.int64),
                               "start": ends[:-1], "end": ends[1:]})
@@ -271,10 +271,11 @@ def _cycle(signatures: list) -> int:
     return 1
 
 
-def iteration_ends(start: np.ndarray, end: np.ndarray, backward: np.ndarray,
-                   names: np.ndarray, inner: np.ndarray | None = None) -> tuple[np.ndarray, str]:
-    """Where each training iteration ends, from the Optimizer.step spans (sorted by start), the
-    starts of the autograd backward ops (sorted) and how many ops each span ran (`inner`); with,
+def iteration_ends(end: np.ndarray, backward: np.ndarray, names: np.ndarray,
+                   inner: np.ndarray | None = None) -> tuple[np.ndarray, str]:
+    """Where each training iteration ends, from the Optimizer.step spans' ends (the spans sorted by
+    start), the starts of the autograd backward ops (sorted) and how many ops each span ran
+    (`inner`); with,
     where an iteration steps more than one optimizer, how many and which ("" where each steps one).
 
     A job may step several optimizers an iteration (DLRM's sparse SGD and dense Adam, a model
@@ -294,7 +295,7 @@ def iteration_ends(start: np.ndarray, end: np.ndarray, backward: np.ndarray,
     profiled; a cycle cut by the window's end is dropped). One optimizer stepping between
     alternating tasks repeats with period 1 and keeps a step each. Where nothing repeats exactly
     (an optimizer's first step making its state, a step a scaler skipped), each stays a step."""
-    if len(start) == 0 or len(backward) == 0:
+    if len(end) == 0 or len(backward) == 0:
         return end, ""
     # a backward op starting in (end[i], end[i + 1]] separates the two; none: one iteration
     lo = np.searchsorted(backward, end[:-1], side="right")
@@ -311,7 +312,8 @@ def iteration_ends(start: np.ndarray, end: np.ndarray, backward: np.ndarray,
         said = f"{int(np.median(counts))} optimizer steps an iteration, no backward between them: {kinds}"
     if inner is None:
         return out, said
-    sigs = [tuple(zip(names[group == g].tolist(), inner[group == g].tolist())) for g in range(len(out))]
+    cuts = np.flatnonzero(new)[1:]
+    sigs = [tuple(zip(n.tolist(), k.tolist())) for n, k in zip(np.split(names, cuts), np.split(inner, cuts))]
     p = _cycle(sigs)
     if p == 1:
         return out, said
