@@ -22,9 +22,10 @@ import click
 from diagnose import __version__
 from diagnose.model import CHECK_ORDER, Diagnosis
 
-DIFF_VERSION = "1.3"  # 1.1: "prediction" (the before run's predicted saving against the measured one);
+DIFF_VERSION = "1.4"  # 1.1: "prediction" (the before run's predicted saving against the measured one);
 # 1.2: "every_step_ms" (both runs' every recorded step outside their windows: extras.window);
-# 1.3: a side's "run_in_directory" (--before-run/--after-run K) where it was one of several runs there
+# 1.3: a side's "run_in_directory" (--before-run/--after-run K) where it was one of several runs there;
+# 1.4: a side's "unnamed_wait" (its extras.unnamed_wait: nothing named, yet a rank waited for a peer)
 COMPONENTS = ("compute_ms", "exposed_comm_ms", "straggler_wait_ms", "dataloader_ms", "other_ms")
 # The breakdown component each check's cause lands in; measured on both sides even when a
 # check passes, so a cause that disappeared still has an "after" number.
@@ -68,6 +69,10 @@ def _side(d: Diagnosis, label: str, path: str) -> dict:
         "checks": [{"id": c.id, "title": c.title, "status": c.status, "reason": c.reason} for c in d.checks],
         "top": d.findings[0].id if d.findings else None,
     }
+    if not d.findings and d.extras.get("unnamed_wait"):
+        # "top cause: none" is not said alone over a rank's waiting: a cause gone after a fix may
+        # only be one the straggler check could not tell from jitter on that run
+        side["unnamed_wait"] = d.extras["unnamed_wait"]
     if hta:
         side["hta"] = {"status": hta.get("status"), "reason": hta.get("reason"),
                        "run": {k: (hta.get("run") or {}).get(k)
@@ -266,6 +271,10 @@ def diff_summary(diff: dict) -> str:
                                       f" (run {k} from the newest of those written there)")
         lines.append(f"{side}: {_printable(s['path'])}{which} — {len(s['run']['ranks_found'])} rank(s), "
                      f"{s['run']['device']}, top cause: {s['top'] or 'none'}")
+        if s.get("unnamed_wait") and not s["top"]:
+            from diagnose.step.breakdown import unnamed_wait_caution
+
+            lines.append(f"  caution ({side}): {unnamed_wait_caution(s['unnamed_wait'])}")
     for note in diff.get("comparability", []):
         lines.append(f"note: {_printable(note)}")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from pathlib import Path
 from . import charts
 from .charts import num
 from .common import STATUS_LABEL, ChartSet, _dict, _list, esc, fmt_ms, fmt_share, page
-from .html import _severity
+from .html import _severity, unnamed_wait_note
 
 CHANGE_LABEL = {"gone": "GONE", "appeared": "APPEARED", "changed": "CHANGED", "unchanged": "UNCHANGED",
                 "not_flagged": "not flagged"}
@@ -20,7 +20,7 @@ def _diff_side(side: dict) -> str:
                    for f in findings)
     table = (f'<table class="causes"><thead><tr><th>Cause</th><th class=num>Recoverable / step</th>'
              f'<th class=num>Share</th><th>Impact</th></tr></thead><tbody>{rows}</tbody></table>'
-             if rows else '<p class="muted">No cause was flagged.</p>')
+             if rows else '<p class="muted">No cause was flagged.</p>' + unnamed_wait_note(side.get("unnamed_wait")))
     ranks = _list(run.get("ranks_found"))
     device = esc(run.get("device")) + (f" ({esc(run.get('device_name'))})" if run.get("device_name") else "")
     hta = _dict(side.get("hta"))

@@ -41,15 +41,16 @@ def _headline(d: dict) -> str:
     counts = {s: sum(1 for c in checks if _dict(c).get("status") == s) for s in STATUS_LABEL}
     return (f'<p class="headline"><strong>No significant cause found.</strong> '
             f'{counts["passed"]} check(s) passed, {counts["not_measurable"]} could not be measured; '
-            f'the step breakdown below shows where the time goes.</p>' + _unnamed_wait(d) + _window(d))
+            f'the step breakdown below shows where the time goes.</p>'
+            + unnamed_wait_note(_dict(d.get("extras")).get("unnamed_wait")) + _window(d))
 
 
-def _unnamed_wait(d: dict) -> str:
+def unnamed_wait_note(w) -> str:
     """The caution under "no significant cause" where a rank waited for late peers at least the
-    straggler check's threshold and nothing was named (extras.unnamed_wait)."""
+    straggler check's threshold and nothing was named (extras.unnamed_wait; a diff's side too)."""
     from diagnose.step.breakdown import unnamed_wait_caution
 
-    w = _dict(_dict(d.get("extras")).get("unnamed_wait"))
+    w = _dict(w)
     try:
         text = unnamed_wait_caution(w) if w else ""
     except (KeyError, TypeError, ValueError):  # a hand-edited diagnosis.json: no caution, no crash

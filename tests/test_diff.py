@@ -117,3 +117,25 @@ def test_every_recorded_step_is_compared_and_an_unusual_window_is_said():
     assert "Every step" in render_diff(diff)
     # a run without the record (the shared traces): no every-step line
     assert diff_diagnoses(_diagnosis(NW0), after)["every_step_ms"] is None
+
+
+def test_a_side_with_nothing_named_but_a_rank_waiting_says_so():
+    """Recorded fixtures: before, rank 1 a straggler (named); after, a healthy job whose rank 1
+    still waited ~11% of its step at too few collectives to tell (extras.unnamed_wait): "top cause:
+    none" is not said alone, in diff.json, the summary or the page."""
+    from tests.conftest import fixture_diagnosis
+
+    fixtures = ROOT / "tests" / "fixtures"
+    before, after = (fixture_diagnosis(fixtures / n) for n in ("cpu_straggler_2rank", "cpu_accum_2rank"))
+    diff = diff_diagnoses(before, after)
+    assert "straggler" in diff["findings_gone"] and diff["after"]["top"] is None
+    assert "unnamed_wait" not in diff["before"] and diff["after"]["unnamed_wait"] == after.extras["unnamed_wait"]
+    lines = diff_summary(diff).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("after: "))
+    assert lines[at].endswith("top cause: none")
+    assert lines[at + 1].startswith("  caution (after): rank 1 waited ") and "for a late peer" in lines[at + 1]
+    page = render_diff(json.loads(json.dumps(diff)))
+    assert re.search(r'class="warn">Caution: rank 1 waited [\d.]+ ms per step \(\d+%\) at collectives', page)
+    # a hand-edited side: no caution, no crash
+    diff["after"]["unnamed_wait"] = {"rank": HOSTILE}
+    assert HOSTILE not in render_diff(diff)

@@ -86,9 +86,11 @@ def test_a_cpu_hog_on_one_ranks_core_is_found_and_the_cpu_load_moved_with_it(tmp
     launch(tmp_path, "--pin-cores", "--cpu-hog", "--slow-from-step", str(FROM), "--slow-rank", "1", job=HOG_JOB,
            env={"DIAGNOSE_TELEMETRY_S": "0.5"})
     out = changes(tmp_path)
-    m = re.search(r"from step (\d+) .*: rank 1, compute \+.*; with it: (.*)", out)
-    assert m and abs(int(m.group(1)) - FROM) <= NEAR, out
-    assert "rank 1" in m.group(2) and "CPU busy" in m.group(2), out
+    # the hog's change among every change listed: a slow phase of this shared 2-core host before
+    # the fault can be a real change of its own, listed first (CI, 2026-12-07: rank 1's compute at
+    # step 108, then the hog's at 120 with its core's CPU busy)
+    found = [(int(s), w) for s, w in re.findall(r"from step (\d+) .*: rank 1, compute \+.*; with it: (.*)", out)]
+    assert any(abs(s - FROM) <= NEAR and "rank 1" in w and "CPU busy" in w for s, w in found), out
 
 
 def test_capture_on_change_profiles_the_steps_after_the_slowdown(tmp_path):
