@@ -410,13 +410,17 @@ def changes(run_dir: Path) -> None:
 @click.option("--schedule", default="2,2,5", show_default=True, help="Profiler schedule for each launched run.")
 @click.option("--cluster", default=None, metavar="ADDRESS",
               help="With --runs: read the runs' traces on the workers of a Dask cluster (see analyze --help).")
+@click.option("--run", "picks", multiple=True, metavar="N=K",
+              help="With --runs: where N's directory holds several runs of the job (rerun into it), which one: "
+                   "1 the first, -1 the newest (as analyze --run K).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedule, cluster, command) -> None:
+def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedule, cluster, picks, command) -> None:
     """Measure speedup across world sizes and explain the lost speedup, cause by cause.
 
     \b
     diagnose scale --nproc 1,2,4 -- python train.py --lr 0.1
     diagnose scale --runs 1=runs/n1 --runs 8=runs/n8
+    diagnose scale --runs 1=traces/n1 --runs 8=traces/n8 --run 8=-1   # n8 rerun into one directory
     """
     from diagnose.scaling import analyze_scaling
     from diagnose.scaling import terminal_summary as scaling_summary
@@ -434,7 +438,11 @@ def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedu
                 if not n.isdigit() or not d:
                     raise DiagnoseError(f"--runs takes N=DIR, got {item!r}")
                 dirs[int(n)] = Path(d)
+            run_k = _picks(picks, dirs)
         else:
+            if picks:
+                raise DiagnoseError("--run N=K picks among the runs in a saved directory: give --runs N=DIR too")
+            run_k = {}
             if not nproc or not command:
                 raise DiagnoseError("give --nproc N1,N2,... and the training command after --, or --runs N=DIR ...")
             sizes = _sizes(nproc)
@@ -446,10 +454,10 @@ def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedu
             from diagnose.ingest.cluster import connect  # lazily: dask only with --cluster
 
             with connect(cluster) as reader:
-                s, _ = analyze_scaling(dirs, mode, batch_size, reader)
+                s, _ = analyze_scaling(dirs, mode, batch_size, reader, run_k=run_k)
             note(reader.stats.line())
         else:
-            s, _ = analyze_scaling(dirs, mode, batch_size)
+            s, _ = analyze_scaling(dirs, mode, batch_size, run_k=run_k)
         from diagnose.scaling_output import write_scaling
 
         written = write_scaling(s, out)
@@ -458,6 +466,23 @@ def scale(nproc, runs, out, strong, batch_flag, global_batch, batch_size, schedu
     click.echo(scaling_summary(s))
     click.echo("")
     click.echo("wrote " + ", ".join(str(p) for p in written))
+
+
+def _picks(picks: tuple[str, ...], dirs: dict[int, Path]) -> dict[int, int]:
+    """`--run N=K` for each N given: {N: K}."""
+    out = {}
+    for item in picks:
+        n, _, k = item.partition("=")
+        try:
+            n_, k_ = int(n), int(k)
+        except ValueError:
+            raise DiagnoseError(f"--run takes N=K (K: 1 the first run, -1 the newest), got {item!r}") from None
+        if n_ not in dirs:
+            raise DiagnoseError(f"--run {item}: no --runs {n_}=DIR to pick in")
+        if k_ == 0:
+            raise DiagnoseError(f"--run {item}: runs count from 1 (the first) or from -1 (the newest)")
+        out[n_] = k_
+    return out
 
 
 def _launch_sizes(command: list[str], sizes: list[int], out: Path, schedule: str, strong: bool,

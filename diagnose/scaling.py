@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diagnose.errors import DiagnoseError
+from diagnose.errors import DiagnoseError, one_line
 from diagnose.model import Diagnosis
 from diagnose.ingest.assemble import Reader
 from diagnose.ingest.discover import has_traces
@@ -124,16 +124,18 @@ def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None]:
 
 
 def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None,
-                  reader: Reader | None = None) -> tuple[ScalePoint, Diagnosis]:
-    """reader: a Dask cluster's (`--cluster`); a run this machine does not see is listed on its workers."""
+                  reader: Reader | None = None, run_k: int | None = None) -> tuple[ScalePoint, Diagnosis]:
+    """reader: a Dask cluster's (`--cluster`); a run this machine does not see is listed on its workers.
+    run_k: which of several runs written into the directory (`--run N=K`; pipeline.one_run)."""
     if reader is None or run_dir.exists():
         run_dir = resolve_run(run_dir)  # a run's `--out` parent stands for its newest run
         traces = run_dir / "traces" if (run_dir / "traces").is_dir() else run_dir
     else:
         traces = run_dir  # the workers' listing finds DIR/traces/ as a local one would
-    d = diagnose_paths([traces], reader=reader)
-    # a job torchelastic restarted: the every-step record of the attempt its traces came from
-    probe_ms, probe_batch = _probe_step_ms(last_attempt(traces, has_traces)[0])
+    d = diagnose_paths([traces], reader=reader, run_k=run_k)
+    # a job torchelastic restarted: the every-step record of the attempt its traces came from; none
+    # where one of several runs was picked (a rerun overwrote the records: another run's, maybe)
+    probe_ms, probe_batch = (None, None) if run_k is not None else _probe_step_ms(last_attempt(traces, has_traces)[0])
     trace_ms = statistics.fmean(d.run.mean_step_ms.values())
     step_ms, source = (probe_ms, "probe steps") if probe_ms else (trace_ms, "traced steps")
     batch = batch_size or probe_batch
@@ -158,16 +160,20 @@ def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None,
 
 
 def analyze_scaling(runs: dict[int, Path], mode: str = "weak", batch_size: int | None = None,
-                    reader: Reader | None = None) -> tuple[Scaling, dict[int, Diagnosis]]:
-    """Measure each run directory, then account for the speedup (see `account`)."""
+                    reader: Reader | None = None, run_k: dict[int, int] | None = None
+                    ) -> tuple[Scaling, dict[int, Diagnosis]]:
+    """Measure each run directory, then account for the speedup (see `account`). run_k: {N: K},
+    which of several runs in N's directory (`--run N=K`)."""
     if len(runs) < 2:
         raise DiagnoseError("scaling needs runs at two or more world sizes")
-    measured = {n: measure_point(n, Path(p), batch_size, reader) for n, p in sorted(runs.items())}
+    measured = {n: measure_point(n, Path(p), batch_size, reader, (run_k or {}).get(n)) for n, p in sorted(runs.items())}
     baseline = measured[min(measured)][1].findings
     top = measured[max(measured)][1]
     ranks = {f.id: tuple(f.ranks) for f in top.findings}
-    return account({n: pt for n, (pt, _) in measured.items()}, mode, baseline, ranks), \
-        {n: d for n, (_, d) in measured.items()}
+    s = account({n: pt for n, (pt, _) in measured.items()}, mode, baseline, ranks)
+    picked = tuple(f"N={n}: run {k} of the runs written into {runs[n]} (--run {n}={k}); its step time from its traces"
+                   for n, k in sorted((run_k or {}).items()))
+    return replace(s, warnings=s.warnings + picked), {n: d for n, (_, d) in measured.items()}
 
 
 def what_if_step(p: ScalePoint, cause: str) -> float | None:
@@ -311,4 +317,7 @@ def terminal_summary(s: Scaling) -> str:
         lines.append(f"what if, at N={s.points[-1].nproc}:")
         for w in s.what_if:
             lines.append(f"  without {w.id:<24} step {w.step_ms:.1f} ms, speedup {w.speedup:.2f}x")
+    if s.warnings:  # said in scaling.json and the page, and here too: which run was read, what was assumed
+        lines.append("")
+        lines.extend(f"warning: {one_line(w)}" for w in s.warnings)
     return "\n".join(lines)

@@ -135,3 +135,36 @@ def test_diff_compares_two_runs_of_one_directory(reran, tmp_path):
     res = subprocess.run([sys.executable, "-m", "diagnose.cli", "diff", str(reran), str(reran), "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "--before-run/--after-run" in res.stderr
+
+
+def test_scale_picks_one_run_of_a_directory_rerun_into(reran, tmp_path):
+    """`diagnose scale --runs N=DIR --run N=K`: the point at N is that run's alone; without --run
+    the refusal names it; --run without its --runs, K = 0 or not N=K: one line each."""
+    from click.testing import CliRunner
+
+    from diagnose.cli import main
+    from diagnose.scaling import measure_point
+
+    base = ["scale", "--runs", f"1={FIXTURES / OLDER}", "--runs", f"2={reran}", "--out", str(tmp_path / "s")]
+    res = CliRunner().invoke(main, base)
+    assert res.exit_code == 2 and "scale --run N=K" in res.output, res.output
+    res = CliRunner().invoke(main, [*base, "--run", "2=-1"])
+    assert res.exit_code == 0, res.output
+    points = {p["nproc"]: p for p in json.loads((tmp_path / "s" / "scaling.json").read_text())["runs"]}
+
+    def traces_of(name: str) -> Path:  # the run's traces alone, as they lie in the rerun directory
+        d = tmp_path / name
+        d.mkdir()
+        for f in (FIXTURES / name).glob("*.pt.trace.json.gz"):
+            shutil.copy(f, d / f.name)
+        return d
+
+    alone, _ = measure_point(2, traces_of(NEWER))
+    assert points[2]["step_ms"] == alone.step_ms and points[2]["causes_ms"] == alone.causes_ms
+    older, _ = measure_point(2, traces_of(OLDER))
+    assert points[2]["step_ms"] != older.step_ms  # the run picked, not the other
+    assert f"N=2: run -1 of the runs written into {reran} (--run 2=-1)" in res.output
+    for bad, said in ((["--run", "3=1"], "no --runs 3=DIR"), (["--run", "2=0"], "runs count from 1"),
+                      (["--run", "2"], "--run takes N=K")):
+        res = CliRunner().invoke(main, [*base, *bad])
+        assert res.exit_code == 2 and said in res.output and len(res.output.strip().splitlines()) == 1, res.output

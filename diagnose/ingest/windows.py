@@ -282,7 +282,8 @@ def two_of_a_rank(a: Path, b: Path) -> str:
         return "(mixed runs or repeated captures?); pass one run's files"
     if (ha.pid, ha.host) != (hb.pid, hb.host):
         return (f"from two processes ({_who(ha)}; {_who(hb)}): two runs in one directory; pass one run's files "
-                "(or pick one: analyze --run K, diff --before-run/--after-run K; 1 the first, -1 the newest)")
+                "(or pick one: analyze --run K, diff --before-run/--after-run K, scale --run N=K; 1 the first, "
+                "-1 the newest)")
     if ha.start_us == hb.start_us:
         return "of one recording (a copy?); pass one of them"
     return "from one process: two profiled windows of one run; pass one window's files, one a rank"
