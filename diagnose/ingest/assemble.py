@@ -705,6 +705,12 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
         found = len(run.ranks)
         miss = run.missing_ranks
         warnings.append(f"{found} of {world} ranks: missing rank(s) {rank_ranges(miss)}")
+    unnamed = [r for r in run.ranks if run.timelines[r].unnamed_groups]
+    if unnamed:
+        warnings.append(f"rank(s) {rank_ranges(unnamed)} ran collectives on several process groups, which "
+                        "gloo traces do not name (only their threads tell them apart): each step's collectives "
+                        "are matched across ranks by their order as if one group's, so a wait for a peer in "
+                        "another group and each group's figures are approximate (NCCL traces name the group)")
     salvaged = [r for r in run.ranks if run.traces[r].salvaged]
     if salvaged:
         warnings.append(f"rank(s) {rank_ranges(salvaged)} salvaged from cut files: "

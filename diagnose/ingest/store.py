@@ -35,7 +35,7 @@ _HANDLES = ("events", "collectives", "exposed", "lanes", "drawing", "idle")
 """What lies on disk for each rank (idle: GPU ranks only): (offset, size) columns."""
 _NUMBERS = {"parent": "q", "rank": "q", "flows": "q", "dropped": "q", "bytes_read": "q", "span0": "d",
             "span1": "d", "n_comm": "q", "n_dl": "q", "facts_at": "q"}
-_FLAGS = ("has_rank", "salvaged", "hip", "has_span", "is_gpu", "device_timed", "has_facts")
+_FLAGS = ("has_rank", "salvaged", "hip", "has_span", "is_gpu", "device_timed", "has_facts", "unnamed_groups")
 _REFS = ("name", "rank_source", "meta", "thread_names", "trace_warnings", "file", "step_source",
          "warnings", "facts_keys")
 """Per rank, a reference to an object most ranks share (metadata, texts) or its own short text
@@ -104,7 +104,8 @@ class Arrivals:
             cols[k].append(v)
         for k, v in (("has_rank", trace.rank is not None), ("salvaged", trace.salvaged), ("hip", trace.hip),
                      ("has_span", trace.span_us is not None), ("is_gpu", tl.is_gpu),
-                     ("device_timed", tl.device_timed), ("has_facts", bool(facts))):
+                     ("device_timed", tl.device_timed), ("has_facts", bool(facts)),
+                     ("unnamed_groups", tl.unnamed_groups)):
             cols[k].append(bool(v))
         for h, v in zip(_HANDLES, (trace.events, tl.collectives, c.exposed, c.lanes, c.drawing, idle)):
             cols[h + "_at"].append(v.at if v is not None else -1)
@@ -184,7 +185,8 @@ class Arrivals:
                             compute=None, comm=None, dataloader=None, host_busy=None,
                             collectives=self._handle("collectives", i), comm_threads=None, compiled=None,
                             warnings=refs["warnings"][i], input_copies=None,
-                            device_timed=bool(c["device_timed"][i]), cover=cover)
+                            device_timed=bool(c["device_timed"][i]), cover=cover,
+                            unnamed_groups=bool(c["unnamed_groups"][i]))
 
     def facts(self, i: int) -> Mapping[str, Any]:
         self._freeze()

@@ -65,7 +65,7 @@ CPU_COMM_ENQUEUE = re.compile(r"^(c10d::|record_param_comms$|nccl:)")
 # division, copies into and out of buckets) and FSDP2's all-gathers and reduce-scatters with their
 # copies in and out and their waits (a rank blocked in `FSDP::all_gather` for a late peer is
 # waiting, not computing). Communication overhead that grows with world size, not model compute.
-COMM_WRAPPERS = re.compile(r"reducer::|^FSDP::(all_gather|post_backward_reduce|post_backward_rs_wait)")
+COMM_WRAPPERS = re.compile(r"reducer::|^FSDP::(all_gather|post_backward_reduce|post_backward_rs_wait)|^_?c10d_functional::wait_tensor$")
 # Point-to-point transfers (pipeline parallelism) are not collectives: nothing to match
 # across all ranks. gloo records them on the training thread itself.
 P2P = re.compile(r"^(gloo:(send|recv)|c10d::(send|recv_|recv_any_source_))$")
@@ -176,6 +176,10 @@ class RankTimeline:
     them (`device_steps`), not by the host's step spans."""
     cover: RankCover | None = None
     """What the parent reads of the interval sets (step/cover.py); set where the trace is read."""
+    unnamed_groups: bool = False
+    """gloo: this rank's collectives ran on several process groups (more runloop threads than one
+    group starts; the trace's pg_config puts it in several), which the trace does not name: they
+    are matched across ranks as one group's (`_gloo_groups`), and a warning says so."""
 
     def own_collectives(self) -> pd.DataFrame:
         return unspilled(self.collectives)
@@ -426,9 +430,41 @@ def _assign_steps(ts: np.ndarray, steps: Steps) -> np.ndarray:
     return out
 
 
-def _collectives(trace: RankTrace, is_gpu: bool, steps: Steps, comm_tids: set[str]) -> pd.DataFrame:
+UNNAMED_GROUPS = "unnamed"
+"""The group key of a gloo rank's collectives where they ran on several process groups, which the
+trace does not name (RankTimeline.unnamed_groups): "group unnamed" beside their figures."""
+
+
+def _own_groups(trace: RankTrace, rank: int) -> int:
+    """How many process groups the trace's distributedInfo.pg_config puts this rank in (the
+    groups' `ranks` lists; a group without them counted)."""
+    info = trace.meta.get("distributedInfo")
+    pgs = info.get("pg_config") if isinstance(info, dict) else None
+    if not isinstance(pgs, list):
+        return 0
+    return sum(1 for g in pgs if isinstance(g, dict) and (not isinstance(g.get("ranks"), list) or rank in g["ranks"]))
+
+
+GLOO_THREADS = 2
+"""Worker threads a ProcessGroupGloo starts (torch's default, ProcessGroupGloo.Options.threads):
+one group's collectives run on that many `pt_gloo_runloop` threads at most."""
+
+
+def _gloo_groups(tids: np.ndarray) -> bool:
+    """Whether gloo runloop threads `tids` ran more than one process group's collectives. A
+    collective's annotation names no group on gloo (no record_param_comms; TRACE-FACTS.md): its
+    thread is all that tells groups apart, each group running on its own GLOO_THREADS threads.
+    Which group a thread is, the trace cannot say (their ids are not always consecutive within a
+    group; a 2-D job's default group, idle while its `dp` and `tp` groups work, starts threads too)."""
+    return np.unique(tids).size > GLOO_THREADS
+
+
+def _collectives(trace: RankTrace, is_gpu: bool, steps: Steps, comm_tids: set[str], rank: int = 0
+                 ) -> tuple[pd.DataFrame, bool]:
+    """The rank's collectives (COLLECTIVE_COLUMNS) and, on gloo, RankTimeline.unnamed_groups."""
     ev = trace.events
     args = trace.comm_args
+    unnamed = False
     if is_gpu:
         sel = ev[_kind_mask(ev, KIND_COMM_KERNEL)].sort_values("ts")
         arrival = sel["ts"].to_numpy()
@@ -465,14 +501,17 @@ def _collectives(trace: RankTrace, is_gpu: bool, steps: Steps, comm_tids: set[st
         full = names
         ends = (sel["ts"] + sel["dur"]).to_numpy()
         rows = sel.index.to_numpy()
-    pg = np.array([str(m.get("Process Group Name", "default")) for m in meta], dtype=object)
+        several = _gloo_groups(sel["tid"].astype(str).to_numpy())
+        unnamed = several and _own_groups(trace, rank) > 1
+    pg = np.array([str(m.get("Process Group Name", UNNAMED_GROUPS if unnamed else "default")) for m in meta],
+                  dtype=object)
     nbytes = np.array([_bytes_of(m) for m in meta], dtype=np.float64)
     dtype = np.array([_dtype_of(m, n) for m, n in zip(meta, full)], dtype=object)
     step = _assign_steps(arrival, steps)
     df = pd.DataFrame({"step": step, "pg": pg, "name": names, "arrival": arrival, "end": ends,
                        "bytes": nbytes, "dtype": dtype, "row": rows})
     df["seq"] = df.groupby(["step", "pg"]).cumcount()
-    return compact(df[list(COLLECTIVE_COLUMNS)])
+    return compact(df[list(COLLECTIVE_COLUMNS)]), unnamed
 
 
 def gather_collectives(timelines: dict[int, RankTimeline]) -> dict[str, np.ndarray]:
@@ -560,13 +599,13 @@ def build_timeline(trace: RankTrace, rank: int) -> RankTimeline:
         compute = subtract(subtract(host_busy, dataloader), wrapper_set)
         cc = ev[cpu_comm]
         comm = merge(union(cc["ts"], cc["ts"] + cc["dur"]), wrapper_set)
-    collectives = _collectives(trace, is_gpu, steps, comm_tids)
+    collectives, unnamed = _collectives(trace, is_gpu, steps, comm_tids, rank)
     cr = ev[host_kinds & ~on_comm_thread & _names_matching(ev, COMPILED_REGION)]
     return RankTimeline(rank=rank, file=trace.path.name, is_gpu=is_gpu, step_source=source, steps=steps,
                         compute=compute, comm=comm, dataloader=dataloader, host_busy=host_busy,
                         collectives=collectives, comm_threads=frozenset(comm_tids),
                         compiled=union(cr["ts"], cr["ts"] + cr["dur"]), warnings=tuple(warnings),
-                        input_copies=input_copies, device_timed=device_timed)
+                        input_copies=input_copies, device_timed=device_timed, unnamed_groups=unnamed)
 
 
 def frames(ev: pd.DataFrame) -> np.ndarray:

@@ -1,0 +1,77 @@
+"""A 2-D parallel job (FSDP2 over `dp`, DTensor tensor parallel over `tp`) on gloo, recorded:
+tests/fixtures/cpu_2d_straggler_4rank (rank 3 sleeps 150 ms before each backward) and its healthy
+twin cpu_2d_4rank. What it takes: a rank blocked in `_c10d_functional::wait_tensor` (DTensor's
+functional collectives) is waiting for a peer, not computing; and collectives of several process
+groups, which gloo traces do not name, are said to be matched as one group's."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diagnose.step.timeline import GLOO_THREADS, UNNAMED_GROUPS, _gloo_groups
+from tests.conftest import fixture_diagnosis
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+STRAGGLER, HEALTHY = FIXTURES / "cpu_2d_straggler_4rank", FIXTURES / "cpu_2d_4rank"
+SLEEP_MS = 150.0
+
+
+def _raw_ms_per_step(path: Path, name: str) -> float:
+    """The summed duration of the events called `name`, per ProfilerStep, from the file itself."""
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    steps = sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#"))
+    return sum(e["dur"] for e in events if e.get("name") == name) / 1000.0 / steps
+
+
+def test_the_rank_that_sleeps_is_named_with_what_it_costs():
+    d = fixture_diagnosis(STRAGGLER)
+    f = d.top
+    assert f is not None and f.id == "straggler" and list(f.ranks) == [3], [(x.id, x.ranks) for x in d.findings]
+    assert 0.8 * SLEEP_MS < f.recoverable_ms < 1.2 * SLEEP_MS, f.recoverable_ms
+
+
+def test_a_wait_in_wait_tensor_is_communication_not_compute():
+    """Ranks 0 and 2 spend ~160 ms a step blocked in `_c10d_functional::wait_tensor` (the raw
+    events): in their breakdown that is communication; their compute is what is left, as small
+    as the ranks that do not wait there (1 and 3)."""
+    d = fixture_diagnosis(STRAGGLER)
+    files = {r: STRAGGLER / Path(p).name for r, p in d.run.files.items()}
+    for r in (0, 2):
+        waited = _raw_ms_per_step(files[r], "_c10d_functional::wait_tensor")
+        assert waited > 0.6 * SLEEP_MS, (r, waited)
+        rows = [b for b in d.breakdown if b.rank == r]
+        compute = float(np.mean([b.compute_ms for b in rows]))
+        comm = float(np.mean([b.exposed_comm_ms + b.straggler_wait_ms for b in rows]))
+        assert compute < 0.3 * waited and comm > 0.9 * waited, (r, compute, comm, waited)
+
+
+def test_several_unnamed_groups_are_said_and_labelled_so():
+    d = fixture_diagnosis(STRAGGLER)
+    said = [w for w in d.warnings if "process groups, which gloo traces do not name" in w]
+    assert len(said) == 1 and said[0].startswith("rank(s) 0-3 ran collectives on several process groups"), d.warnings
+    groups = {g["group"] for g in d.extras["comm_groups"]["groups"] if g["group"]}
+    assert groups == {UNNAMED_GROUPS}, groups
+
+
+def test_a_one_group_gloo_job_is_matched_as_before():
+    d = fixture_diagnosis(FIXTURES / "cpu_straggler_2rank")
+    assert not any("process groups" in w for w in d.warnings)
+    assert {g["group"] for g in d.extras["comm_groups"]["groups"] if g["group"]} == {"default"}
+
+
+def test_the_healthy_twin_names_no_straggler():
+    d = fixture_diagnosis(HEALTHY)
+    assert "straggler" not in [f.id for f in d.findings]
+    assert next(c for c in d.checks if c.id == "straggler").status == "passed"
+
+
+@pytest.mark.parametrize("tids, several", [
+    ([], False), (["11"], False), (["11", "12"], False), (["11", "40"], False),  # one group's threads at most
+    (["11", "12", "40"], True), (["11", "12", "40", "41"], True)])
+def test_more_runloop_threads_than_one_group_starts_are_several_groups(tids, several):
+    assert GLOO_THREADS == 2
+    assert _gloo_groups(np.array(tids, dtype=object)) is several
