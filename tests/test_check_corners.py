@@ -588,26 +588,28 @@ def test_collectives_whose_names_disagree_across_ranks_are_counted():
     assert c.finding is not None and c.finding.metrics["collectives_with_mismatched_names"] == 2
 
 
-def test_ten_every_step_collectives_agreeing_make_the_straggler_verdict_firmer():
+def test_ten_every_step_collectives_decide_the_straggler_verdicts_confidence():
     """DLRM with the straggler threshold at 2% names rank 7 alone (its effect 4.8% of the step, the
-    next rank's 1.3%; last in 62.5% of the profiled collectives: medium, lowered one level for its
-    one step). An every-step record in which rank 7 arrives last at every collective raises it to
-    high (then medium after the same lowering), from 10 such collectives on: 9 are too few."""
+    next rank's 1.3%; last in 62.5% of the profiled collectives but holding 92% of their waits for a
+    last rank: high, lowered one level for its one step: medium). An every-step record in which
+    another rank (0) arrives last at every collective lowers it to medium (then low), from 10 such
+    collectives on: 9 are too few; one in which rank 7 does keeps it."""
     from diagnose.analyzers import straggler
 
     run = shared_run("param_dlrm_8rank_v100")
     th = dataclasses.replace(DEFAULT, straggler=0.02, healthy_floor_ms=0.0)
 
-    def probes(n):
+    def probes(n, late):
         steps = pd.DataFrame({"step": range(1, n + 1), "start": [1000.0 + s for s in range(1, n + 1)],
                               "dur_ms": 1.0, "dataloader_ms": 0.0, "comm_ms": 1.0, "device_ms": np.nan})
         return {r: ProbeData(rank=r, meta={}, steps=steps, collectives=pd.DataFrame(
-            [{"step": s, "seq": 0, "name": "all_reduce", "arrival": 1000.0 + s + (0.01 if r == 7 else 0.0),
+            [{"step": s, "seq": 0, "name": "all_reduce", "arrival": 1000.0 + s + (0.01 if r == late else 0.0),
               "dur_ms": 1.0, "bytes": 4.0, "group": "default"} for s in range(1, n + 1)])) for r in range(8)}
 
     confidence = {}
-    for n in (9, 10):
-        (c,) = straggler.analyze(build_context(run, probes(n)), th)
+    for n, late in ((9, 0), (10, 0), (10, 7)):
+        (c,) = straggler.analyze(build_context(run, probes(n, late)), th)
         assert c.finding.ranks == (7,) and c.finding.metrics["every_step_collectives"] == n
-        confidence[n] = c.finding.confidence
-    assert confidence == {9: "low", 10: "medium"}
+        assert c.finding.metrics["held_share_of_last_waits"] > 0.9
+        confidence[n, late] = c.finding.confidence
+    assert confidence == {(9, 0): "medium", (10, 0): "low", (10, 7): "medium"}

@@ -266,9 +266,10 @@ def _every_step_probes(last_per_step: list[int], late_s: float = 0.004) -> dict:
 
 
 def test_the_every_step_record_agreeing_makes_the_verdict_firm(tmp_path):
-    """Profiled: rank 1 last at 6 of 8 steps, 5 ms each time (beyond chance by its lateness, but a
-    75% share: medium). The every-step record over 40 steps has it last at 38: high confidence. The
-    same record disagreeing (last at 20 of 40) leaves it medium."""
+    """Profiled: rank 1 last at 6 of 8 steps, 5 ms each time, rank 0 at the other two by 0.3 ms
+    (beyond chance by its lateness; last at 75%, but holding 98% of the waiting: high). The
+    every-step record over 40 steps has it last at 38: high. The same record disagreeing (last at
+    20 of 40) lowers it to medium."""
     from diagnose.analyzers import reduce_rank
     from diagnose.ingest.assemble import load_run
     from diagnose.pipeline import diagnose_run
@@ -278,7 +279,8 @@ def test_the_every_step_record_agreeing_makes_the_verdict_firm(tmp_path):
                late_us=[5_000.0, 5_200.0, 300.0, 4_900.0, 5_050.0, 300.0, 5_100.0, 4_950.0])
     run = load_run([tmp_path], reduce=reduce_rank, jobs=1)
     alone = straggler(diagnose_run(run, DEFAULT, {}))
-    assert alone.status == "flagged" and alone.finding.ranks == (1,) and alone.finding.confidence == "medium"
+    assert alone.status == "flagged" and alone.finding.ranks == (1,) and alone.finding.confidence == "high"
+    assert alone.finding.metrics["held_share_of_last_waits"] == pytest.approx(30.3 / 30.9, abs=0.01)
     agree = straggler(diagnose_run(run, DEFAULT, _every_step_probes([1] * 38 + [0] * 2)))
     assert agree.finding.confidence == "high", agree.finding.metrics
     m = agree.finding.metrics

@@ -75,3 +75,15 @@ def test_the_healthy_twin_names_no_straggler():
 def test_more_runloop_threads_than_one_group_starts_are_several_groups(tids, several):
     assert GLOO_THREADS == 2
     assert _gloo_groups(np.array(tids, dtype=object)) is several
+
+
+def test_a_rank_held_up_once_a_step_among_many_collectives_is_a_firm_straggler():
+    """Last at a minority of the collectives (the backward's first, after its sleep) yet holding
+    nearly all the time they waited for their last rank: high confidence (FSDP2, one group); on
+    the 2-D job medium, its groups matched as one (their waits approximate)."""
+    for name, confidence in (("cpu_fsdp2_straggler_2rank", "high"), ("cpu_2d_straggler_4rank", "medium")):
+        f = fixture_diagnosis(FIXTURES / name).top
+        m = f.metrics
+        last = m[f"rank{f.ranks[0]}_last_share"]
+        assert last < 0.8 and m["held_share_of_last_waits"] > 0.9, (name, last, m["held_share_of_last_waits"])
+        assert f.confidence == confidence, (name, f.confidence)

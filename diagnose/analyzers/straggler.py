@@ -37,6 +37,14 @@ figure where there is no faithful replay): the median, over the other ranks, of 
 time they spend waiting for the last rank alone (after the second-latest arrived), or for all
 the named ranks when several are named.
 
+Confidence: high where the named ranks came last at 80% of the collectives or held 80% of the
+time the collectives waited for their last rank (LateRank.held: a rank held up once a step among
+many collectives, FSDP2's or tensor parallelism's, is last at a minority of them and holds most of
+the waiting), medium from straggler_consistency; where the probes kept an every-step record of 10
+collectives or more, it decides (the same 80%: high, else medium at most); low on partial or
+sampled traces matched by order; medium at most where several gloo process groups were matched as
+one (timeline.UNNAMED_GROUPS).
+
 Why the rank is late (its breakdown and its ops against the median rank's): why_late.py.
 """
 from __future__ import annotations
@@ -130,6 +138,12 @@ class LateRank:
     last_share: dict[int, float]
     consistent: float
     """The share of collectives at which a named rank came last."""
+    held: float
+    """The share of the time collectives waited for their last rank alone (latest minus
+    second-latest arrival, summed) that a named rank was that last rank. A rank held up once a
+    step among many collectives (a sleep before an FSDP2 or tensor-parallel backward: last at the
+    backward's first collectives only) is last at a minority of them and holds most of the waiting;
+    a rank last by a hair at many does the opposite."""
     chance: float
     p_value: float
     """The smallest of the tests' p-values (profiled steps and every-step record)."""
@@ -137,7 +151,8 @@ class LateRank:
     """Collectives the tests could use (the larger of the two records)."""
     metrics: dict[str, float | int]
     every_agree: float | None
-    """Share of the every-step collectives at which a named rank came last (None: no record)."""
+    """Share of the every-step collectives at which a named rank came last, or of the time they
+    waited for their last rank that it held, the larger (None: no record)."""
     tests: int = 2
     """How many tests p_value is the smallest of."""
 
@@ -257,12 +272,18 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
     every = every_step_lateness(ctx.probes)
     if not every.empty:
         key = ["step", "group", "seq"]
-        last = every.loc[every.groupby(key)["arrival"].idxmax(), "rank"]
+        at = every.groupby(key)["arrival"].idxmax()
+        last = every.loc[at, "rank"]
         every_share = last.value_counts(normalize=True)
         metrics["every_step_collectives"] = int(len(last))
         for r in sorted(every_share.index):
             metrics[f"rank{int(r)}_every_step_last_share"] = round(float(every_share[r]), 3)
-        agree = float(every_share.reindex(named).fillna(0).max())
+        # as in the profiled steps, by how often a named rank came last or by how much waiting it held
+        gap = (every.groupby(key)["arrival"].max() - every.drop(index=at).groupby(key)["arrival"].max()).fillna(0.0)
+        last_of = every.loc[at].set_index(key)["rank"].reindex(gap.index)
+        held_every = float(gap[last_of.isin(named)].sum() / gap.sum()) if gap.sum() > 0 else 0.0
+        metrics["every_step_held_share"] = round(held_every, 4)
+        agree = max(float(every_share.reindex(named).fillna(0).max()), held_every)
         every_ranks = int(every.groupby(key)["rank"].nunique().median())
         p_every = binom_sf(int(last.isin(named).sum()), len(last), min(1.0, len(named) / max(every_ranks, 2)))
         if len(named) == 1:
@@ -270,9 +291,11 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
         metrics["every_step_p_value"] = round(p_every, 4)
         p_value, units = min(p_value, p_every), max(units, len(last))
         tests += 1 + single
+    gap = pc["gap"].to_numpy(dtype=float)
+    held = float(gap[pc["last_rank"].isin(named).to_numpy()].sum() / gap.sum()) if gap.sum() > 0 else 0.0
     return LateRank(named=tuple(named), last_share={int(r): float(v) for r, v in last_share.items()},
-                    consistent=float(pc["last_rank"].isin(named).mean()), chance=chance, p_value=p_value,
-                    units=units, metrics=metrics, every_agree=agree, tests=tests)
+                    consistent=float(pc["last_rank"].isin(named).mean()), held=held, chance=chance,
+                    p_value=p_value, units=units, metrics=metrics, every_agree=agree, tests=tests)
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
@@ -318,15 +341,20 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         metrics["late_together"] = len(group)
     metrics.update(late.metrics)
     metrics["p_threshold_per_test"] = round(th.straggler_alpha / max(late.tests, 1), 4)
-    base = "high" if consistent >= 0.8 else "medium" if consistent >= th.straggler_consistency else "low"
-    # hundreds of steps agreeing with the profiled window make the verdict firm
-    if late.every_agree is not None and late.every_agree >= 0.8 and metrics.get("every_step_collectives", 0) >= 10:
-        base = "high"
+    # consistent by how often it came last, or by how much of the waiting it held (LateRank.held)
+    steady = max(consistent, late.held)
+    metrics["held_share_of_last_waits"] = round(late.held, 4)
+    base = "high" if steady >= 0.8 else "medium" if steady >= th.straggler_consistency else "low"
+    # hundreds of steps agreeing with the profiled window make the verdict firm; not agreeing, not
+    if late.every_agree is not None and metrics.get("every_step_collectives", 0) >= 10:
+        base = "high" if late.every_agree >= 0.8 else min(base, "medium", key=("low", "medium", "high").index)
     if ctx.matched.match_ratio < 0.9 or mismatched > 0.1 * n:
         base = "low"  # sampled or partial traces: matching by order is unreliable
     if late.units < 2:
         base = "low"
         metrics["note"] = "one collective only: too few to tell a straggler from jitter"
+    if base == "high" and any(run.timelines[r].unnamed_groups for r in run.ranks):
+        base = "medium"  # several process groups matched as one (timeline.UNNAMED_GROUPS): its waits approximate
     # evidence: the straggler's latest arrivals
     rows = pr[pr["rank"].isin(named)].nlargest(5, "lateness")
     refs = tuple(ctx.event_ref(int(r.rank), int(r.row), f"arrived {r.lateness / 1000:.2f} ms after the median rank")
@@ -343,7 +371,10 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         ahead = named[:named.index(r)]
         note += (f"; bringing {'rank' if len(ahead) == 1 else 'ranks'} {rank_ranges(ahead)} to the median rank alone "
                  f"gives back {before:.1f} ms per step: rank {r} then comes last")
-    reason = (f"{who} last to arrive at {consistent:.0%} of {n} collectives{note}; "
+    # how much of the waiting it held, where that says more than how often it came last
+    held = (f", holding {late.held:.0%} of the time they waited for their last rank"
+            if late.held >= consistent + 0.1 else "")
+    reason = (f"{who} last to arrive at {consistent:.0%} of {n} collectives{held}{note}; "
               f"the others wait {ms:.1f} ms per step for {'it' if len(named) == 1 else 'them'}")
     if size is not None:
         reason += (f", and bringing {'it' if len(named) == 1 else 'them'} to the median rank gives back {size:.1f} "
