@@ -99,7 +99,9 @@ def test_capture_on_change_profiles_the_steps_after_the_slowdown(tmp_path):
     captured window shows the slowed rank."""
     from tests.test_e2e_oncall import profiler_steps, start_job, wait_for_steps
 
-    job = start_job(tmp_path, *JOB[2:], "--steps", "420", "--slow-from-step", str(FROM), "--slow-rank", "1",
+    # the capture fires ~20-50 steps after the change (20 at the new speed, then a poll of 2 s) and
+    # profiles 4: 280 steps leave ~100 to spare and ~13 s less of CI than 420 (15 min: .ci/run)
+    job = start_job(tmp_path, *JOB[2:], "--steps", "280", "--slow-from-step", str(FROM), "--slow-rank", "1",
                     "--slow-compute-ms", "40")
     try:
         wait_for_steps(tmp_path, 30)

@@ -87,3 +87,40 @@ def test_a_rank_held_up_once_a_step_among_many_collectives_is_a_firm_straggler()
         last = m[f"rank{f.ranks[0]}_last_share"]
         assert last < 0.8 and m["held_share_of_last_waits"] > 0.9, (name, last, m["held_share_of_last_waits"])
         assert f.confidence == confidence, (name, f.confidence)
+
+
+def _groups_named(src: Path, out: Path) -> Path:
+    """The recorded 2-D traces with each gloo collective's process group named in its args, as
+    NCCL's record_param_comms names it: by the job's construction, a rank's runloop threads that
+    ran an all-gather are its `mesh_dp` group's (FSDP2 all-gathers over dp), the others its
+    `mesh_tp` group's (DTensor's all-reduces). Nothing else in the files changes."""
+    out.mkdir()
+    for f in src.glob("*.pt.trace.json.gz"):
+        doc = json.loads(gzip.decompress(f.read_bytes()))
+        pgs = {g["pg_desc"]: g["pg_name"] for g in doc["distributedInfo"]["pg_config"]}
+        gloo = [e for e in doc["traceEvents"] if str(e.get("name", "")).startswith("gloo:")]
+        dp_threads = {e["tid"] for e in gloo if e["name"] == "gloo:all_gather"}
+        for e in gloo:
+            e.setdefault("args", {})["Process Group Name"] = pgs["mesh_dp" if e["tid"] in dp_threads else "mesh_tp"]
+        (out / f.name).write_bytes(gzip.compress(json.dumps(doc).encode()))
+    return out
+
+
+def test_with_its_groups_named_each_wait_is_for_its_own_peer(tmp_path):
+    """What an NCCL trace of the same job would say (its groups named): two 2-rank groups of each
+    kind, no warning, rank 3 named, and the others' wait for it the sleep's (~150 ms a step), not
+    the few ms that matching every group as one leaves. Medium confidence: ranks 1 and 2, held up by
+    rank 3 in one of their groups, come last in turn at their other group's collectives with rank
+    0, so rank 3 holds ~60% of the waiting directly (the replay, which follows the chain, gives it
+    the whole step's loss)."""
+    from diagnose.pipeline import diagnose_paths
+
+    d = diagnose_paths([_groups_named(STRAGGLER, tmp_path / "named")])
+    assert not any("process groups" in w for w in d.warnings)
+    groups = {(g["group"], g["ranks"]) for g in d.extras["comm_groups"]["groups"] if g["group"]}
+    assert groups == {("1", 2), ("2", 2), ("3", 2), ("4", 2)}, groups
+    f = d.top
+    assert f.id == "straggler" and list(f.ranks) == [3] and f.confidence == "medium", (f.id, f.ranks, f.confidence)
+    assert 0.5 < f.metrics["held_share_of_last_waits"] < 0.8, f.metrics
+    assert 0.8 * SLEEP_MS < f.recoverable_ms < 1.2 * SLEEP_MS
+    assert f.metrics["wait_imposed_ms_per_step"] > 0.8 * SLEEP_MS, f.metrics["wait_imposed_ms_per_step"]

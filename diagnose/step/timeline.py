@@ -501,8 +501,8 @@ def _collectives(trace: RankTrace, is_gpu: bool, steps: Steps, comm_tids: set[st
         full = names
         ends = (sel["ts"] + sel["dur"]).to_numpy()
         rows = sel.index.to_numpy()
-        several = _gloo_groups(sel["tid"].astype(str).to_numpy())
-        unnamed = several and _own_groups(trace, rank) > 1
+        named = any("Process Group Name" in m for m in meta)
+        unnamed = not named and _own_groups(trace, rank) > 1 and _gloo_groups(sel["tid"].astype(str).to_numpy())
     pg = np.array([str(m.get("Process Group Name", UNNAMED_GROUPS if unnamed else "default")) for m in meta],
                   dtype=object)
     nbytes = np.array([_bytes_of(m) for m in meta], dtype=np.float64)
