@@ -37,10 +37,12 @@ figure where there is no faithful replay): the median, over the other ranks, of 
 time they spend waiting for the last rank alone (after the second-latest arrived), or for all
 the named ranks when several are named.
 
-Confidence: high where the named ranks came last at 80% of the collectives or held 80% of the
-time the collectives waited for their last rank (LateRank.held: a rank held up once a step among
-many collectives, FSDP2's or tensor parallelism's, is last at a minority of them and holds most of
-the waiting), medium from straggler_consistency; where the probes kept an every-step record of 10
+Confidence: high where the named ranks came last at 80% of the collectives, held 80% of the time
+the collectives waited for their last rank (LateRank.held: a rank held up once a step among many
+collectives, FSDP2's or tensor parallelism's, is last at a minority of them and holds most of the
+waiting) or make 80% of what the replay gives back rank by rank (`effect_share_of_all_ranks`: a
+wait passed along, a peer held up in one group coming last in its other, is its cause's), medium
+from straggler_consistency; where the probes kept an every-step record of 10
 collectives or more, it decides (the same 80%: high, else medium at most); low on partial or
 sampled traces matched by order; medium at most where several gloo process groups were matched as
 one (timeline.UNNAMED_GROUPS).
@@ -341,9 +343,14 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         metrics["late_together"] = len(group)
     metrics.update(late.metrics)
     metrics["p_threshold_per_test"] = round(th.straggler_alpha / max(late.tests, 1), 4)
-    # consistent by how often it came last, or by how much of the waiting it held (LateRank.held)
+    # consistent by how often it came last, by how much of the waiting it held (LateRank.held), or by
+    # its share of what the replay gives back rank by rank (the chain a wait passes along included: on
+    # a 2-D mesh rank 3's sleep makes its dp peer come last at that peer's tp collectives)
     steady = max(consistent, late.held)
     metrics["held_share_of_last_waits"] = round(late.held, 4)
+    if effect and (total := sum(max(v, 0.0) for v in effect.values())) > 0:
+        metrics["effect_share_of_all_ranks"] = round(sum(max(effect.get(r, 0.0), 0.0) for r in named) / total, 4)
+        steady = max(steady, metrics["effect_share_of_all_ranks"])
     base = "high" if steady >= 0.8 else "medium" if steady >= th.straggler_consistency else "low"
     # hundreds of steps agreeing with the profiled window make the verdict firm; not agreeing, not
     if late.every_agree is not None and metrics.get("every_step_collectives", 0) >= 10:
