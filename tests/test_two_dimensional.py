@@ -124,3 +124,17 @@ def test_with_its_groups_named_each_wait_is_for_its_own_peer(tmp_path):
     assert 0.5 < f.metrics["held_share_of_last_waits"] < 0.8 < f.metrics["effect_share_of_all_ranks"], f.metrics
     assert 0.8 * SLEEP_MS < f.recoverable_ms < 1.2 * SLEEP_MS
     assert f.metrics["wait_imposed_ms_per_step"] > 0.8 * SLEEP_MS, f.metrics["wait_imposed_ms_per_step"]
+
+
+@pytest.mark.parametrize("name, says, not_says", [
+    ("cpu_2d_4rank", ("FSDP's communication", "Tensor parallelism's all-reduces"), ("let DDP overlap it",)),
+    ("cpu_fsdp2_straggler_2rank", ("FSDP's communication",), ("Tensor parallelism", "let DDP overlap it")),
+    ("cpu_straggler_2rank", ("let DDP overlap it",), ("FSDP", "Tensor parallelism"))])
+def test_the_communication_fix_is_the_stack_s_that_moves_it(name, says, not_says):
+    """DDP's bucket advice beside an FSDP2 and tensor-parallel job's all-gathers reads as nonsense:
+    the fix is the stack's (its flag threshold at 0 so that each job's finding is there to read)."""
+    from tests.conftest import threshold_diagnosis
+
+    d = threshold_diagnosis(FIXTURES / name, communication=0.0)
+    fix = next(f.fix for f in d.findings if f.id == "exposed_communication")
+    assert all(s in fix for s in says) and not any(s in fix for s in not_says), fix

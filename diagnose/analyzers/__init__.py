@@ -38,7 +38,7 @@ class Entry:
 
 CHECKLIST: tuple[Entry, ...] = (
     Entry("dataloader", dataloader.analyze, dataloader.reduce),
-    Entry("communication", communication.analyze),
+    Entry("communication", communication.analyze, communication.reduce),
     Entry("straggler", straggler.analyze, straggler.reduce),
     Entry("launch_overhead", launch.analyze, launch.reduce, uses_idle=True),
     # the queued idle launch_overhead leaves out: work launched, device waiting on something else

@@ -7,21 +7,28 @@ booked here, whether the straggler check names a rank (its part) or finds arriva
 change shortens a wait for a late peer. Job-level: the median rank, since a
 collective ends at the same moment on every rank and the median is robust to one
 rank's noise.
-Also reports collectives per step, their sizes, and overlap.
+Also reports collectives per step, their sizes, and overlap. The fix is the stack's that moves
+the collectives (`Stack`, per rank: DDP's, FSDP's, tensor parallelism's functional collectives):
+DDP's bucket advice read as nonsense beside an FSDP2 and tensor-parallel job's all-gathers.
 """
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, passed
+from diagnose.analyzers.grad_sync import DDP_FORWARD
 from diagnose.context import Context
+from diagnose.ingest.load import KIND_ANNOTATION, KIND_CPU_OP, RankTrace
 from diagnose.model import Check, Finding
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES
 from diagnose.step.collectives import collectives_table
 from diagnose.step.cover import column
+from diagnose.step.timeline import RankTimeline
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -32,6 +39,54 @@ FIX = ("Hide or shrink communication: let DDP overlap it (bucket_cap_mb=25..100,
        "compress gradients (bf16/fp16 comm hook); check the interconnect and NCCL topology (NCCL_DEBUG=INFO).")
 FIX_TINY = ("Collectives are many and small: raise DDP bucket_cap_mb (default 25) so gradients travel "
             "in a few large buckets, and avoid per-parameter all-reduce calls.")
+FIX_FSDP = ("Hide or shrink FSDP's communication: prefetch the next unit's all-gather (FSDP2: "
+            "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch; FSDP1: forward_prefetch=True, "
+            "backward_prefetch=BackwardPrefetch.BACKWARD_PRE); shard fewer, larger units (fully_shard on blocks, "
+            "not single layers); reduce gradients in bf16 (MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)); "
+            "sync gradients on the last micro-batch only (set_requires_gradient_sync(False) before the others); "
+            "keep the shard group within a node (HSDP: replicate across nodes); check the interconnect and NCCL "
+            "topology (NCCL_DEBUG=INFO).")
+FIX_TP = ("Tensor parallelism's all-reduces hold the forward and backward (its functional collectives, waited in "
+          "wait_tensor): keep the tp group within a node (NVLink), lower the tp degree, or overlap them (async "
+          "tensor parallelism under torch.compile: torch._inductor.config._micro_pipeline_tp = True, with "
+          "sequence parallelism).")
+STACK = "communication"  # the checklist entry's name: its per-rank phase's summaries (Context.facts)
+FSDP_SPANS = re.compile(r"^FSDP::|FullyShardedDataParallel")
+FUNCTIONAL = re.compile(r"^_?c10d_functional::")
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """What moves a rank's collectives, from the names of its training threads' ops and spans."""
+
+    ddp: bool
+    """DistributedDataParallel.forward runs."""
+    fsdp: bool
+    """FSDP's spans (FSDP2's `FSDP::*`, FSDP1's FullyShardedDataParallel ops)."""
+    functional: bool
+    """Functional collectives (`_c10d_functional::*`: DTensor's, tensor parallelism's)."""
+
+
+def reduce(trace: RankTrace, tl: RankTimeline) -> Stack:
+    ev = trace.events
+    host = ev[ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()]
+    names = host["name"].astype(str).unique() if len(host) else ()
+    return Stack(ddp=any(DDP_FORWARD.search(n) for n in names), fsdp=any(FSDP_SPANS.search(n) for n in names),
+                 functional=any(FUNCTIONAL.search(n) for n in names))
+
+
+def _fix(ctx: Context) -> str:
+    """The fix for the stacks the ranks run (FIX, DDP's and the default, where none is seen, or
+    where the run was read without the per-rank phase)."""
+    try:
+        stacks = list(ctx.facts(STACK).values())
+    except RuntimeError:  # read without the per-rank phase, or it failed on a rank: the fix is all it costs
+        return FIX
+    fsdp = any(getattr(s, "fsdp", False) for s in stacks)
+    tp = any(getattr(s, "functional", False) for s in stacks)
+    ddp = any(getattr(s, "ddp", False) for s in stacks)
+    parts = ([FIX_FSDP] if fsdp else []) + ([FIX_TP] if tp else [])
+    return " ".join(parts + ([FIX] if ddp or not parts else []))
 # Hundreds of collectives per step under 1 MiB each: latency-bound, i.e. no bucketing.
 MANY_COLLECTIVES = 50
 SMALL_BYTES = SMALL_MESSAGE_BYTES  # one definition of a small collective (step/bandwidth.py: why 1 MiB)
@@ -123,7 +178,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=ranks or tuple(run.ranks), metrics=metrics, events=refs,
-        fix=FIX_TINY if tiny else (bucket and bucket[1]) or FIX,
+        fix=FIX_TINY if tiny else (bucket and bucket[1]) or _fix(ctx),
         confidence="low" if missing else confidence_for(ctx, "high" if len(run.ranks) > 1 else "medium"),
         method="Median over ranks of per-step communication not hidden under compute, excluding time "
                "spent waiting for the last-arriving rank (a late peer: the straggler check's).")
