@@ -18,9 +18,11 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("torch")
 
 # a ~11 ms CPU step (4 ms on CI's machine) that drifts by more than 20% for minutes on a shared 2-core
-# host, under a 40 ms wait that stands for the device: 240 steps take about 20 s with the startup
-JOB = ("--steps", "240", "--hidden", "256", "--repeat", "2", "--batch-size", "64", "--device-ms", "40")
-FROM = 120
+# host, under a 40 ms wait that stands for the device: 180 steps take about 15 s with the startup.
+# The fault from step 90: 90 steps either side, 4.5 times the locator's shortest segment (20)
+# (240 steps from 120 until 2026-12-07: the e2e phase had grown to 11.7 of .ci/run's 15 minutes)
+JOB = ("--steps", "180", "--hidden", "256", "--repeat", "2", "--batch-size", "64", "--device-ms", "40")
+FROM = 90
 # how near FROM a change must be found: the locator places it on the first step at the new level
 # within a block either side of its search (diagnose/step/changes.py), and a slow phase of a shared
 # host right before the fault is that new level to it (CI, 2026-12-07: the hog's change at step
@@ -47,7 +49,7 @@ def changes(out) -> str:
 
 def test_one_rank_slowed_mid_run_is_the_top_finding(tmp_path):
     """Profiled early (steps 4-8, before the fault): the other checks see a healthy window; the
-    every-step record shows rank 1 computing 20 ms more per step from step 120."""
+    every-step record shows rank 1 computing 20 ms more per step from step FROM."""
     launch(tmp_path, "--slow-from-step", str(FROM), "--slow-rank", "1", "--slow-compute-ms", "20", schedule="2,2,5")
     d = json.loads((run_dir(tmp_path) / "diagnosis.json").read_text())
     f = d["findings"][0]
@@ -77,11 +79,11 @@ def test_a_steady_run_reports_no_change(tmp_path):
 # larger model, a shorter device wait. At --hidden 512 a faster host (2026-12-04: 30 ms steps, not
 # 46) put most of the hog's cost in rank 1's gloo transfer, below the compute floor; at 1024 rank
 # 1's compute went 44.8 -> 68.4 ms per step
-HOG_JOB = ("--steps", "240", "--hidden", "1024", "--repeat", "2", "--batch-size", "64", "--device-ms", "20")
+HOG_JOB = ("--steps", "180", "--hidden", "1024", "--repeat", "2", "--batch-size", "64", "--device-ms", "20")
 
 
 def test_a_cpu_hog_on_one_ranks_core_is_found_and_the_cpu_load_moved_with_it(tmp_path):
-    """Each rank pinned to its own core; from step 120 a busy-looping process shares rank 1's
+    """Each rank pinned to its own core; from step FROM a busy-looping process shares rank 1's
     core. The change is rank 1's compute, and the telemetry of its core says why."""
     launch(tmp_path, "--pin-cores", "--cpu-hog", "--slow-from-step", str(FROM), "--slow-rank", "1", job=HOG_JOB,
            env={"DIAGNOSE_TELEMETRY_S": "0.5"})
@@ -100,8 +102,8 @@ def test_capture_on_change_profiles_the_steps_after_the_slowdown(tmp_path):
     from tests.test_e2e_oncall import profiler_steps, start_job, wait_for_steps
 
     # the capture fires ~20-50 steps after the change (20 at the new speed, then a poll of 2 s) and
-    # profiles 4: 280 steps leave ~100 to spare and ~13 s less of CI than 420 (15 min: .ci/run)
-    job = start_job(tmp_path, *JOB[2:], "--steps", "280", "--slow-from-step", str(FROM), "--slow-rank", "1",
+    # profiles 4: 250 steps leave ~100 to spare and ~20 s less of CI than 420 did (15 min: .ci/run)
+    job = start_job(tmp_path, *JOB[2:], "--steps", "250", "--slow-from-step", str(FROM), "--slow-rank", "1",
                     "--slow-compute-ms", "40")
     try:
         wait_for_steps(tmp_path, 30)

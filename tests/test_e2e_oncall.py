@@ -49,8 +49,9 @@ def profiler_steps(path):
 
 
 def test_capture_a_running_job(tmp_path):
-    steps = 70  # about 21 s at ~300 ms per step (the straggler sleeps 150 ms of them): the capture
-    # of 4 steps takes a few seconds once asked (after step 5), so the job is still running when it ends
+    steps = 45  # about 14 s at ~300 ms per step (the straggler sleeps 150 ms of them): the capture
+    # of 4 steps takes a few seconds once asked (after step 5: done by step ~15), so the job is still
+    # running when it ends (70 steps until 2026-12-07: .ci/run's 15 minutes)
     job = start_job(tmp_path, "--pathology", "straggler", "--steps", str(steps))
     try:
         wait_for_steps(tmp_path, 5)
@@ -83,7 +84,7 @@ def test_stuck_rank_is_reported_not_waited_for(tmp_path):
     try:
         wait_for_steps(tmp_path, 12)
         t = time.monotonic()
-        res = cli("capture", str(tmp_path), "--steps", "3", "--timeout", "15")
+        res = cli("capture", str(tmp_path), "--steps", "3", "--timeout", "10")  # rank 0's 3 steps: ~1 s
         assert time.monotonic() - t < 60
         assert "rank 1 did not reach step" in res.stderr, res.stderr
         cap = next((run_dir(tmp_path) / "traces").glob("capture-*"))

@@ -663,3 +663,17 @@ def test_matching_by_one_sort_gives_what_the_groupbys_gave():
         pd.testing.assert_frame_equal(got.frame(), want_rows, check_exact=True)
         pd.testing.assert_frame_equal(got.per_collective, want_coll, check_exact=True)
         assert got.match_ratio == len(want_rows) / len(t)
+
+
+def test_a_recorded_slow_host_s_three_ranks_late_together_are_named_together():
+    """tests/fixtures/cpu_late_group_8rank: ranks 5, 6 and 7 of 8 sleep 300 ms a step together
+    (a real 8-rank job). Each one alone sets no step's end (its two peers are as late), so
+    single-rank effects are small; before the late group this read "no significant cause found"
+    (rank 7 named at 33.5 ms, under the threshold)."""
+    from tests.conftest import fixture_diagnosis
+
+    d = fixture_diagnosis(Path(__file__).resolve().parent / "fixtures" / "cpu_late_group_8rank")
+    said = [(f.id, f.ranks, round(f.recoverable_ms, 1)) for f in d.findings], straggler(d).reason
+    assert d.findings[0].id == "straggler" and sorted(d.findings[0].ranks) == [5, 6, 7], said
+    # 8 ranks on 2 cores: the sleepers free cores for the others, so far less than 300 ms comes back
+    assert d.findings[0].recoverable_ms > 60, said

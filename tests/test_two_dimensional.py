@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diagnose.step.timeline import GLOO_THREADS, UNNAMED_GROUPS, _gloo_groups
+from diagnose.step.timeline import GLOO_THREADS, UNNAMED_GROUPS, _several_gloo_groups
 from tests.conftest import fixture_diagnosis
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -74,7 +74,7 @@ def test_the_healthy_twin_names_no_straggler():
     (["11", "12", "40"], True), (["11", "12", "40", "41"], True)])
 def test_more_runloop_threads_than_one_group_starts_are_several_groups(tids, several):
     assert GLOO_THREADS == 2
-    assert _gloo_groups(np.array(tids, dtype=object)) is several
+    assert _several_gloo_groups(np.array(tids, dtype=object)) is several
 
 
 def test_a_rank_held_up_once_a_step_among_many_collectives_is_a_firm_straggler():

@@ -11,7 +11,9 @@ Definitions (stated in the report):
   threads (not gloo's `pt_gloo_runloop` threads), minus DataLoader time and the
   data-parallel wrappers' communication work; communication = `gloo:*` transfers, `c10d::*`
   enqueue ops and that work (DDP's bucket copies and gradient division, FSDP2's all-gather and
-  reduce-scatter spans with their copies and waits). An `Optimizer.step` that runs the forward
+  reduce-scatter spans with their copies and waits, a functional collective's `wait_tensor`).
+  gloo names no collective's process group: a rank's collectives on several groups are matched
+  as one group's, with a warning (`UNNAMED_GROUPS`). An `Optimizer.step` that runs the forward
   and backward inside it (a closure, as Lightning calls it) frames the step like ProfilerStep:
   its own time is not compute; so do the hook and module annotations of Lightning's profiler.
 - DataLoader wait = union of `enumerate(DataLoader)#...__next__` spans.
@@ -64,8 +66,12 @@ CPU_COMM_ENQUEUE = re.compile(r"^(c10d::|record_param_comms$|nccl:)")
 # The data-parallel wrappers' own communication work on the host: DDP's bucketing (gradient
 # division, copies into and out of buckets) and FSDP2's all-gathers and reduce-scatters with their
 # copies in and out and their waits (a rank blocked in `FSDP::all_gather` for a late peer is
-# waiting, not computing). Communication overhead that grows with world size, not model compute.
-COMM_WRAPPERS = re.compile(r"reducer::|^FSDP::(all_gather|post_backward_reduce|post_backward_rs_wait)|^_?c10d_functional::wait_tensor$")
+# waiting, not computing), and the wait for a functional collective (DTensor's, tensor
+# parallelism's: on gloo the training thread blocks in `wait_tensor` until the transfer ends; counted
+# as compute, a 2-D job's 150 ms straggler read as its peers computing). Communication overhead
+# that grows with world size, not model compute.
+COMM_WRAPPERS = re.compile(r"reducer::|^FSDP::(all_gather|post_backward_reduce|post_backward_rs_wait)"
+                           r"|^_?c10d_functional::wait_tensor$")
 # Point-to-point transfers (pipeline parallelism) are not collectives: nothing to match
 # across all ranks. gloo records them on the training thread itself.
 P2P = re.compile(r"^(gloo:(send|recv)|c10d::(send|recv_|recv_any_source_))$")
@@ -179,7 +185,7 @@ class RankTimeline:
     unnamed_groups: bool = False
     """gloo: this rank's collectives ran on several process groups (more runloop threads than one
     group starts; the trace's pg_config puts it in several), which the trace does not name: they
-    are matched across ranks as one group's (`_gloo_groups`), and a warning says so."""
+    are matched across ranks as one group's (`_several_gloo_groups`), and a warning says so."""
 
     def own_collectives(self) -> pd.DataFrame:
         return unspilled(self.collectives)
@@ -450,7 +456,7 @@ GLOO_THREADS = 2
 one group's collectives run on that many `pt_gloo_runloop` threads at most."""
 
 
-def _gloo_groups(tids: np.ndarray) -> bool:
+def _several_gloo_groups(tids: np.ndarray) -> bool:
     """Whether gloo runloop threads `tids` ran more than one process group's collectives. A
     collective's annotation names no group on gloo (no record_param_comms; TRACE-FACTS.md): its
     thread is all that tells groups apart, each group running on its own GLOO_THREADS threads.
@@ -459,7 +465,7 @@ def _gloo_groups(tids: np.ndarray) -> bool:
     return np.unique(tids).size > GLOO_THREADS
 
 
-def _collectives(trace: RankTrace, is_gpu: bool, steps: Steps, comm_tids: set[str], rank: int = 0
+def _collectives(trace: RankTrace, is_gpu: bool, steps: Steps, comm_tids: set[str], rank: int
                  ) -> tuple[pd.DataFrame, bool]:
     """The rank's collectives (COLLECTIVE_COLUMNS) and, on gloo, RankTimeline.unnamed_groups."""
     ev = trace.events
@@ -502,7 +508,7 @@ def _collectives(trace: RankTrace, is_gpu: bool, steps: Steps, comm_tids: set[st
         ends = (sel["ts"] + sel["dur"]).to_numpy()
         rows = sel.index.to_numpy()
         named = any("Process Group Name" in m for m in meta)
-        unnamed = not named and _own_groups(trace, rank) > 1 and _gloo_groups(sel["tid"].astype(str).to_numpy())
+        unnamed = not named and _own_groups(trace, rank) > 1 and _several_gloo_groups(sel["tid"].astype(str).to_numpy())
     pg = np.array([str(m.get("Process Group Name", UNNAMED_GROUPS if unnamed else "default")) for m in meta],
                   dtype=object)
     nbytes = np.array([_bytes_of(m) for m in meta], dtype=np.float64)
