@@ -138,3 +138,22 @@ def test_the_communication_fix_is_the_stack_s_that_moves_it(name, says, not_says
     d = threshold_diagnosis(FIXTURES / name, communication=0.0)
     fix = next(f.fix for f in d.findings if f.id == "exposed_communication")
     assert all(s in fix for s in says) and not any(s in fix for s in not_says), fix
+
+
+@pytest.mark.parametrize("names, tp", [
+    (("_c10d_functional::all_reduce", "_c10d_functional::wait_tensor", "Redistribute"), True),
+    # compiled DDP's Python reducer issues functional collectives too: not tensor parallelism
+    (("DistributedDataParallel.forward", "_c10d_functional::all_reduce", "_c10d_functional::wait_tensor"), False)])
+def test_tensor_parallelism_is_dtensor_redistributing_by_functional_collectives(tmp_path, names, tp):
+    from diagnose.analyzers.communication import reduce as stack_of
+    from diagnose.ingest.load import load_trace
+    from diagnose.step.timeline import build_timeline
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0.0, "dur": 1000.0, "pid": 1,
+               "tid": 1}] + [{"ph": "X", "cat": "cpu_op", "name": n, "ts": 10.0 + 10 * i, "dur": 5.0, "pid": 1, "tid": 1}
+                             for i, n in enumerate(names)]
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps({"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": events}))
+    trace = load_trace(path)
+    s = stack_of(trace, build_timeline(trace, 0))
+    assert s.tensor_parallel is tp and s.ddp is ("DistributedDataParallel.forward" in names) and not s.fsdp

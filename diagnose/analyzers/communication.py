@@ -8,7 +8,7 @@ change shortens a wait for a late peer. Job-level: the median rank, since a
 collective ends at the same moment on every rank and the median is robust to one
 rank's noise.
 Also reports collectives per step, their sizes, and overlap. The fix is the stack's that moves
-the collectives (`Stack`, per rank: DDP's, FSDP's, tensor parallelism's functional collectives):
+the collectives (`Stack`, per rank: DDP's, FSDP's, tensor parallelism's DTensor redistributions):
 DDP's bucket advice read as nonsense beside an FSDP2 and tensor-parallel job's all-gathers.
 """
 from __future__ import annotations
@@ -53,6 +53,7 @@ FIX_TP = ("Tensor parallelism's all-reduces hold the forward and backward (its f
 STACK = "communication"  # the checklist entry's name: its per-rank phase's summaries (Context.facts)
 FSDP_SPANS = re.compile(r"^FSDP::|FullyShardedDataParallel")
 FUNCTIONAL = re.compile(r"^_?c10d_functional::")
+REDISTRIBUTE = re.compile(r"^(Nested)?Redistribute(Backward)?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +64,10 @@ class Stack:
     """DistributedDataParallel.forward runs."""
     fsdp: bool
     """FSDP's spans (FSDP2's `FSDP::*`, FSDP1's FullyShardedDataParallel ops)."""
-    functional: bool
-    """Functional collectives (`_c10d_functional::*`: DTensor's, tensor parallelism's)."""
+    tensor_parallel: bool
+    """DTensor redistributions (`Redistribute` spans) moving data by functional collectives
+    (`_c10d_functional::*`): tensor parallelism's all-reduces. Functional collectives alone are
+    not enough: compiled DDP's Python reducer issues them too."""
 
 
 def reduce(trace: RankTrace, tl: RankTimeline) -> Stack:
@@ -72,7 +75,7 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> Stack:
     host = ev[ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()]
     names = host["name"].astype(str).unique() if len(host) else ()
     return Stack(ddp=any(DDP_FORWARD.search(n) for n in names), fsdp=any(FSDP_SPANS.search(n) for n in names),
-                 functional=any(FUNCTIONAL.search(n) for n in names))
+                 tensor_parallel=any(FUNCTIONAL.search(n) for n in names) and any(REDISTRIBUTE.search(n) for n in names))
 
 
 def _fix(ctx: Context) -> str:
@@ -83,7 +86,7 @@ def _fix(ctx: Context) -> str:
     except RuntimeError:  # read without the per-rank phase, or it failed on a rank: the fix is all it costs
         return FIX
     fsdp = any(getattr(s, "fsdp", False) for s in stacks)
-    tp = any(getattr(s, "functional", False) for s in stacks)
+    tp = any(getattr(s, "tensor_parallel", False) for s in stacks)
     ddp = any(getattr(s, "ddp", False) for s in stacks)
     parts = ([FIX_FSDP] if fsdp else []) + ([FIX_TP] if tp else [])
     return " ".join(parts + ([FIX] if ddp or not parts else []))

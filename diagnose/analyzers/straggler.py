@@ -293,7 +293,7 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
         metrics["every_step_p_value"] = round(p_every, 4)
         p_value, units = min(p_value, p_every), max(units, len(last))
         tests += 1 + single
-    gap = pc["gap"].to_numpy(dtype=float)
+    gap = np.nan_to_num(pc["gap"].to_numpy(dtype=float))  # a collective without a second arrival holds nothing
     held = float(gap[pc["last_rank"].isin(named).to_numpy()].sum() / gap.sum()) if gap.sum() > 0 else 0.0
     return LateRank(named=tuple(named), last_share={int(r): float(v) for r, v in last_share.items()},
                     consistent=float(pc["last_rank"].isin(named).mean()), held=held, chance=chance,
