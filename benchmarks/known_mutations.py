@@ -37,6 +37,19 @@ MUTATIONS = [
      "return EventRef(rank=rank, file=trace.path.name, ts_us=ts + 1.0,", "every evidence event's ts_us shifted"),
     ("diagnose/analyzers/straggler.py", 'others = wait.drop(index=named, errors="ignore")', "others = wait",
      "the straggler's imposed wait counted including the rank's own"),
+    # 2026-12-07 (the 2-D job): each of these read as a right answer on every fixture before it
+    ("diagnose/step/timeline.py", 'r"|^_?c10d_functional::wait_tensor$")', 'r"")',
+     "a wait in a functional collective's wait_tensor counted as compute"),
+    ("diagnose/step/timeline.py", "unnamed = not named and", "unnamed = False and",
+     "several unnamed gloo process groups matched as one without a word"),
+    ("diagnose/analyzers/straggler.py", "steady = max(consistent, late.held)", "steady = consistent",
+     "straggler confidence by how often last only, not by the waiting it held"),
+    ("diagnose/analyzers/straggler.py", 'steady = max(steady, metrics["effect_share_of_all_ranks"])', "pass",
+     "straggler confidence without the rank's share of the replay's effects"),
+    ("diagnose/analyzers/straggler.py", 'base = "medium"  # several process groups', 'pass  # several process groups',
+     "straggler confidence not capped where gloo groups were matched as one"),
+    ("diagnose/analyzers/communication.py", "or _fix(ctx),", "or FIX,",
+     "DDP's communication fix whatever the stack"),
 ]
 
 
