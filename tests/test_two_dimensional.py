@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diagnose.step.timeline import GLOO_THREADS, UNNAMED_GROUPS, _several_gloo_groups
+from diagnose.step.timeline import UNNAMED_GROUPS, _several_gloo_groups
 from tests.conftest import fixture_diagnosis
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -50,6 +50,9 @@ def test_a_wait_in_wait_tensor_is_communication_not_compute():
 
 
 def test_several_unnamed_groups_are_said_and_labelled_so():
+    from diagnose.ingest.assemble import load_run
+
+    assert load_run([STRAGGLER]).unnamed_groups == [0, 1, 2, 3]
     d = fixture_diagnosis(STRAGGLER)
     said = [w for w in d.warnings if "process groups, which gloo traces do not name" in w]
     assert len(said) == 1 and said[0].startswith("rank(s) 0-3 ran collectives on several process groups"), d.warnings
@@ -73,7 +76,6 @@ def test_the_healthy_twin_names_no_straggler():
     ([], False), (["11"], False), (["11", "12"], False), (["11", "40"], False),  # one group's threads at most
     (["11", "12", "40"], True), (["11", "12", "40", "41"], True)])
 def test_more_runloop_threads_than_one_group_starts_are_several_groups(tids, several):
-    assert GLOO_THREADS == 2
     assert _several_gloo_groups(np.array(tids, dtype=object)) is several
 
 

@@ -28,7 +28,7 @@ from diagnose.model import Check, Finding
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES
 from diagnose.step.collectives import collectives_table
 from diagnose.step.cover import column
-from diagnose.step.timeline import RankTimeline
+from diagnose.step.timeline import RankTimeline, _names_matching
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -72,10 +72,12 @@ class Stack:
 
 def reduce(trace: RankTrace, tl: RankTimeline) -> Stack:
     ev = trace.events
-    host = ev[ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()]
-    names = host["name"].astype(str).unique() if len(host) else ()
-    return Stack(ddp=any(DDP_FORWARD.search(n) for n in names), fsdp=any(FSDP_SPANS.search(n) for n in names),
-                 tensor_parallel=any(FUNCTIONAL.search(n) for n in names) and any(REDISTRIBUTE.search(n) for n in names))
+    host = ev["kind"].isin([KIND_CPU_OP, KIND_ANNOTATION]).to_numpy()
+
+    def runs(pattern: re.Pattern) -> bool:
+        return bool((host & _names_matching(ev, pattern)).any())
+
+    return Stack(ddp=runs(DDP_FORWARD), fsdp=runs(FSDP_SPANS), tensor_parallel=runs(FUNCTIONAL) and runs(REDISTRIBUTE))
 
 
 def _fix(ctx: Context) -> str:
@@ -85,11 +87,9 @@ def _fix(ctx: Context) -> str:
         stacks = list(ctx.facts(STACK).values())
     except RuntimeError:  # read without the per-rank phase, or it failed on a rank: the fix is all it costs
         return FIX
-    fsdp = any(getattr(s, "fsdp", False) for s in stacks)
-    tp = any(getattr(s, "tensor_parallel", False) for s in stacks)
-    ddp = any(getattr(s, "ddp", False) for s in stacks)
-    parts = ([FIX_FSDP] if fsdp else []) + ([FIX_TP] if tp else [])
-    return " ".join(parts + ([FIX] if ddp or not parts else []))
+    parts = ([FIX_FSDP] if any(s.fsdp for s in stacks) else []) + \
+        ([FIX_TP] if any(s.tensor_parallel for s in stacks) else [])
+    return " ".join(parts + ([FIX] if any(s.ddp for s in stacks) or not parts else []))
 # Hundreds of collectives per step under 1 MiB each: latency-bound, i.e. no bucketing.
 MANY_COLLECTIVES = 50
 SMALL_BYTES = SMALL_MESSAGE_BYTES  # one definition of a small collective (step/bandwidth.py: why 1 MiB)

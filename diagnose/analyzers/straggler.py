@@ -42,10 +42,9 @@ the collectives waited for their last rank (LateRank.held: a rank held up once a
 collectives, FSDP2's or tensor parallelism's, is last at a minority of them and holds most of the
 waiting) or make 80% of what the replay gives back rank by rank (`effect_share_of_all_ranks`: a
 wait passed along, a peer held up in one group coming last in its other, is its cause's), medium
-from straggler_consistency; where the probes kept an every-step record of 10
-collectives or more, it decides (the same 80%: high, else medium at most); low on partial or
-sampled traces matched by order; medium at most where several gloo process groups were matched as
-one (timeline.UNNAMED_GROUPS).
+from straggler_consistency; where the probes kept an every-step record of 10 collectives or more,
+it decides (the same 80%: high, else medium at most); low on partial or sampled traces matched by
+order; medium at most where several gloo process groups were matched as one (Run.unnamed_groups).
 
 Why the rank is late (its breakdown and its ops against the median rank's): why_late.py.
 """
@@ -360,7 +359,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     if late.units < 2:
         base = "low"
         metrics["note"] = "one collective only: too few to tell a straggler from jitter"
-    if base == "high" and any(run.timelines[r].unnamed_groups for r in run.ranks):
+    if base == "high" and run.unnamed_groups:
         base = "medium"  # several process groups matched as one (timeline.UNNAMED_GROUPS): its waits approximate
     # evidence: the straggler's latest arrivals
     rows = pr[pr["rank"].isin(named)].nlargest(5, "lateness")

@@ -84,6 +84,9 @@ class Run:
     idle: Mapping[int, IdleModel | ReduceFailed] = field(default_factory=dict)
     """GPU ranks: the idle model (diagnose/step/idle.py), or why it could not be built; read from
     disk at each lookup (Keep)."""
+    unnamed_groups: list[int] = field(default_factory=list)
+    """gloo ranks whose collectives ran on several process groups the trace does not name
+    (RankTimeline.unnamed_groups): matched as one group's, said in a warning."""
     collectives: Mapping[str, np.ndarray] | None = None
     """Every rank's collectives inside its steps as column arrays, read from the timelines once
     when the run is assembled (step/timeline.gather_collectives; None: read them when needed);
@@ -705,9 +708,9 @@ def load_run(paths: list[str | Path], *, max_bytes: int = DEFAULT_MAX_BYTES, job
         found = len(run.ranks)
         miss = run.missing_ranks
         warnings.append(f"{found} of {world} ranks: missing rank(s) {rank_ranges(miss)}")
-    unnamed = [r for r in run.ranks if run.timelines[r].unnamed_groups]
-    if unnamed:
-        warnings.append(f"rank(s) {rank_ranges(unnamed)} ran collectives on several process groups, which "
+    run.unnamed_groups = [r for r in run.ranks if run.timelines[r].unnamed_groups]
+    if run.unnamed_groups:
+        warnings.append(f"rank(s) {rank_ranges(run.unnamed_groups)} ran collectives on several process groups, which "
                         "gloo traces do not name (only their threads tell them apart): each step's collectives "
                         "are matched across ranks by their order as if one group's, so a wait for a peer in "
                         "another group and each group's figures are approximate (NCCL traces name the group)")
