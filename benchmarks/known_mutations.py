@@ -30,8 +30,8 @@ MUTATIONS = [
     ("diagnose/analyzers/common.py", "len(run.ranks) < 0.5 * run.world_size:\n        level -= 1",
      "len(run.ranks) < 0.5 * run.world_size:\n        pass", "confidence not lowered for a subset of ranks"),
     ("diagnose/analyzers/straggler.py",
-     'return [not_measurable(ID, TITLE, f"only rank {run.ranks[0]}\'s trace: lateness needs at least two ranks")]',
-     'return [Check(id=ID, title=TITLE, status="passed", reason="one rank")]',
+     'return not_measurable(ID, TITLE, f"only rank {run.ranks[0]}\'s trace: lateness needs at least two ranks")',
+     'return Check(id=ID, title=TITLE, status="passed", reason="one rank")',
      "a single-rank trace's straggler check passed instead of not_measurable"),
     ("diagnose/context.py", "return EventRef(rank=rank, file=trace.path.name, ts_us=ts,",
      "return EventRef(rank=rank, file=trace.path.name, ts_us=ts + 1.0,", "every evidence event's ts_us shifted"),
@@ -50,6 +50,17 @@ MUTATIONS = [
      "straggler confidence not capped where gloo groups were matched as one"),
     ("diagnose/analyzers/communication.py", "or _fix(ctx),", "or FIX,",
      "DDP's communication fix whatever the stack"),
+    # 2026-12-07 (uneven work across ranks, analyzers/imbalance.py)
+    ("diagnose/analyzers/imbalance.py", "own = float(wait.mean()) if len(wait) else 0.0",
+     "own = float(wait.max()) if len(wait) else 0.0", "uneven work's own estimate the longest wait, not the mean"),
+    ("diagnose/analyzers/imbalance.py", "if top_share >= th.imbalance_same_rank:", "if False:",
+     "uneven work flagged when one rank is slowest at every step"),
+    ("diagnose/analyzers/imbalance.py", "use_every = len(every) >= MIN_EVERY_STEPS", "use_every = False",
+     "the every-step record never read for the turns"),
+    ("diagnose/analyzers/imbalance.py", "key = max(extra, key=extra.get)", "key = min(extra, key=extra.get)",
+     "the uneven part read from the smallest difference"),
+    ("diagnose/whatif.py", 'ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype", "load_imbalance"})',
+     'ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype"})', "every rank at the median in the clean step beside a named straggler"),
 ]
 
 

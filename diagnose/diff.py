@@ -33,6 +33,7 @@ CHECK_COMPONENT = {
     "dataloader_starvation": "dataloader_ms",
     "exposed_communication": "exposed_comm_ms",
     "straggler": "straggler_wait_ms",
+    "load_imbalance": "straggler_wait_ms",
 }
 UNCHANGED_MS = 0.5
 """A flagged-in-both cause whose recoverable time moved less than this is 'unchanged'."""

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.14"
+SCHEMA_VERSION = "1.15"
 
 FindingId = Literal[
     "dataloader_starvation",
     "input_stall",
     "exposed_communication",
     "straggler",
+    "load_imbalance",
     "launch_overhead",
     "device_wait",
     "device_memory",
@@ -35,6 +36,7 @@ CHECK_ORDER: tuple[str, ...] = (
     "input_stall",
     "exposed_communication",
     "straggler",
+    "load_imbalance",
     "launch_overhead",
     "device_wait",
     # beyond the four classic causes: capacity, schedule, I/O and synchronisation

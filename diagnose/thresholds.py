@@ -40,6 +40,18 @@ class Thresholds:
     (collectives taken as independent: lenient, since one slow step makes a rank last at all its
     collectives)."""
 
+    load_imbalance: float = 0.10
+    """Flag uneven work across ranks (the slowest rank changing from step to step) when spreading
+    it evenly gives back 10% of the step or more: the share this module asks of causes that are not
+    one rank's to fix (exposed communication, launch overhead). Below it, ranks sharing a busy host
+    wait for each other's jitter (healthy 2- and 4-rank gloo jobs on the 2-core machine the tests
+    run on: 2-7%, recorded fixtures)."""
+
+    imbalance_same_rank: float = 0.8
+    """...and only while the rank slowest most often is slowest in fewer than 80% of the steps;
+    from there it is one rank's pattern, the straggler check's (the level its confidence calls
+    high)."""
+
     launch_overhead: float = 0.10
     """Flag launch/host overhead when the device idles (outside DataLoader waits) for
     >= 10% of the step; HTA's idle-time view treats 10%+ idle as worth acting on."""

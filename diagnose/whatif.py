@@ -14,6 +14,8 @@ The edits, one per cause:
 - dataloader_starvation: DataLoader waits removed;
 - straggler: the named ranks' work between anchors brought to the median rank's (with no rank
   named, every rank's: the cost of waiting for whichever rank is slowest);
+- load_imbalance: every rank's work between anchors brought to the median rank's (the same edit,
+  every rank listed: uneven work spread evenly);
 - exposed_communication: each collective's transfer hidden (it completes the moment its last rank
   arrives; waiting for a late peer stays), and the lane's waits on a transfer in flight
   (`comm_wait`) removed: what overlapping or shrinking it can give back at most.
@@ -79,6 +81,7 @@ EDITS: dict[str, Edit] = {
     "input_stall": _parts({"idle_input": 1.0, "input_copy": 1.0}),
     "exposed_communication": _comm_hidden,
     "straggler": _straggler,
+    "load_imbalance": _straggler,  # with every rank listed: the same work spread evenly
     "launch_overhead": _parts({"idle_launch": 0.5}),
     "host_sync": _parts({"idle_sync": 1.0}),
     "reduce_dtype": _reduce_bf16,
@@ -87,7 +90,9 @@ READS_TRANSFERS = frozenset({"reduce_dtype", "best_transfer"})
 """Edits that start from the transfers (they shrink them); the others pass them through as given
 (None too) or set their own (hiding them: zero), so the model reads the graph's for these alone."""
 # causes whose edit applies only where their check finds them: no cost of their own otherwise
-ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype"})
+# (load_imbalance is flagged only where the straggler check names no rank: then its edit is the
+# straggler's own, every rank to the median, and the clean step the same with or without it)
+ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype", "load_imbalance"})
 # what-ifs given as metrics only
 EXTRA_EDITS: dict[str, Edit] = {"best_transfer": _comm_best}
 EDIT_TEXT = {
@@ -95,6 +100,7 @@ EDIT_TEXT = {
     "input_stall": "every blocking host-to-device input copy removed (pageable copies included)",
     "exposed_communication": "every collective's transfer hidden (done when its last rank arrives)",
     "straggler": "the named rank(s)' work between collectives brought to the median rank's",
+    "load_imbalance": "every rank's work between collectives brought to the median rank's",
     "launch_overhead": "host-launch gaps halved",
     "host_sync": "every synchronising drain removed",
     "reduce_dtype": "each bandwidth-bound fp32 gradient reduction's transfer halved (bf16 on the wire)",
@@ -158,6 +164,8 @@ class StepModel:
     def saving(self, cause: str, ranks: tuple[int, ...] = ()) -> float | None:
         """Mean ms per step the replay gives back with the cause removed (None: not modelled)."""
         key = (cause, tuple(sorted(ranks)))
+        if EDITS.get(cause) is _straggler and set(ranks) >= set(self.graph.ranks):
+            key = ("straggler", ())  # every rank to the median: one replay, however it is asked
         if key not in self._savings:
             e = self.edit(cause, ranks)
             self._savings[key] = None if e is None else \

@@ -36,6 +36,9 @@ Pathology flags (all off by default: a healthy run):
                             so the trace has no ProfilerStep#N (a quick look, as many users take one)
   --optimizers 2            two optimizers stepped each iteration (SGD on the first layer, Adam on
                             the rest: DLRM's sparse and dense optimizers)
+  --uneven-ms MS            each step each rank computes a random 0..MS ms more (few, large matrix
+                            products; drawn anew per rank and step from a seed): batches of uneven
+                            size, as varying sequence lengths give; no rank slow on average
 
 A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --slow-rank R (-1: all):
   --slow-compute-ms MS      MS of extra compute per step (real CPU work, as a throttled device adds)
@@ -66,6 +69,7 @@ import argparse
 import contextlib
 import gc
 import os
+import random
 import sys
 import time
 
@@ -189,6 +193,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-hog", action="store_true", help="from --slow-from-step a CPU hog shares the rank's core")
     p.add_argument("--pin-cores", action="store_true", help="pin each rank to core rank %% cores")
     p.add_argument("--device-ms", type=float, default=0.0, help="every rank waits this long per step (device time)")
+    p.add_argument("--uneven-ms", type=float, default=0.0,
+                   help="each step each rank computes a random extra 0..MS ms (drawn per rank and step): "
+                        "uneven batches, no rank slow on average")
     p.add_argument("--eval-every", type=int, default=0, help="an evaluation after every N-th step (0: none)")
     p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation")
     p.add_argument("--eval-getitem-ms", type=float, default=0.0, help="the evaluation Dataset's __getitem__ sleeps")
@@ -259,6 +266,20 @@ def _busy(ms: float) -> None:
     a = torch.full((64, 64), 0.01)
     while time.perf_counter() < end:
         a = torch.tanh(a @ a)
+
+
+def uneven_extra_ms(rank: int, step: int, micro: int, most_ms: float) -> float:
+    """--uneven-ms: the extra work of this rank's micro-batch at this step (sequence lengths that
+    vary by batch), drawn anew per rank and step from a seed, so that a test knows what was injected."""
+    return random.Random(rank * 1_000_003 + step * 31 + micro).uniform(0.0, most_ms)
+
+
+def _matmuls(ms: float) -> None:
+    """ms of real compute in few, large matrix products (a longer sequence's work, not more ops)."""
+    end = time.perf_counter() + ms / 1000.0
+    a, eye = torch.rand(384, 384), torch.eye(384)
+    while time.perf_counter() < end:
+        a = a @ eye
 
 
 def _spawned(rank: int, argv: list[str] | None, world: int, port: int) -> None:
@@ -399,6 +420,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
                     time.sleep(args.device_ms / 1000.0)
                 if rank == args.straggler_rank or str(rank) in args.straggler_ranks.split(","):
                     time.sleep(args.straggler_ms / 1000.0)  # a slow host, a noisy neighbour
+                if args.uneven_ms:
+                    _matmuls(uneven_extra_ms(rank, step, micro, args.uneven_ms))
                 loss.backward()
         if ran_out:
             break

@@ -55,6 +55,7 @@ FINDING_COMPONENT = {
     "dataloader_starvation": "dataloader_ms",
     "exposed_communication": "exposed_comm_ms",
     "straggler": "straggler_wait_ms",
+    "load_imbalance": "straggler_wait_ms",
     "launch_overhead": "idle_launch",
     "device_wait": "idle_queued",
     "host_sync": "idle_sync",
@@ -440,7 +441,7 @@ def finding_charts(finding: dict, breakdown: list, extras: dict) -> list[Figure]
     ranks = [r for r in (_rank(x) for x in finding.get("ranks") or []) if r is not None]
     per_rank = per_rank_metric(finding.get("metrics") or {})
     figs: list[Figure | None] = []
-    if fid == "straggler":
+    if fid in ("straggler", "load_imbalance"):  # who came last where: one rank, or turns
         figs.append(lateness_heatmap((extras or {}).get("lateness")))
     suffix = FINDING_METRIC.get(fid)
     if suffix in per_rank:

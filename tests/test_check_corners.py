@@ -442,7 +442,7 @@ def test_without_a_step_model_the_straggler_is_decided_by_its_wait():
 
     run = fixture_run(FIXTURES / "cpu_straggler_2rank")
     ctx = dataclasses.replace(build_context(run, {}), model=None)
-    (c,) = straggler.analyze(ctx, DEFAULT)
+    c, _ = straggler.analyze(ctx, DEFAULT)
     assert c.status == "flagged" and c.finding.ranks == (1,)
     assert c.reason.startswith("rank 1 is last to arrive at ") and "(replayed)" not in c.reason
     assert f"the others wait {c.finding.metrics['wait_imposed_ms_per_step']:.1f} ms per step for it" in c.reason
@@ -458,7 +458,7 @@ def test_one_matched_collective_is_too_few_to_be_sure():
     key = ["step", "pg", "seq"]
     rows = m.frame().merge(first[key], on=key)
     one = dataclasses.replace(ctx, matched=dataclasses.replace(m, per_collective=first, per_rank=rows), model=None)
-    (c,) = straggler.analyze(one, DEFAULT)
+    c, _ = straggler.analyze(one, DEFAULT)
     assert c.finding.metrics["collectives_matched"] == 1
     assert c.finding.metrics["note"] == "one collective only: too few to tell a straggler from jitter"
     assert c.finding.confidence == "low"
@@ -584,7 +584,7 @@ def test_collectives_whose_names_disagree_across_ranks_are_counted():
     pc = ctx.matched.per_collective.copy()
     pc.loc[pc.index[:2], "names_agree"] = False
     ctx = dataclasses.replace(ctx, matched=dataclasses.replace(ctx.matched, per_collective=pc))
-    (c,) = straggler.analyze(ctx, DEFAULT)
+    c, _ = straggler.analyze(ctx, DEFAULT)
     assert c.finding is not None and c.finding.metrics["collectives_with_mismatched_names"] == 2
 
 
@@ -608,7 +608,7 @@ def test_ten_every_step_collectives_decide_the_straggler_verdicts_confidence():
 
     confidence = {}
     for n, late in ((9, 0), (10, 0), (10, 7)):
-        (c,) = straggler.analyze(build_context(run, probes(n, late)), th)
+        c, _ = straggler.analyze(build_context(run, probes(n, late)), th)
         assert c.finding.ranks == (7,) and c.finding.metrics["every_step_collectives"] == n
         assert c.finding.metrics["held_share_of_last_waits"] > 0.9
         confidence[n, late] = c.finding.confidence

@@ -19,6 +19,25 @@ def test_straggler_rank1_is_named(tmp_path):
     assert d.findings[0].recoverable_ms > 80
 
 
+def test_uneven_work_whose_slowest_rank_changes_ranks_first(tmp_path):
+    """Each step each rank computes a random 0-400 ms more (seeded: the same draws every run): no
+    rank is late more than chance, yet each step the faster rank waits for the slower."""
+    import statistics
+
+    from examples.train_ddp import uneven_extra_ms
+
+    res = torchrun(tmp_path, "--uneven-ms", "400", "--steps", "10")
+    assert res.returncode == 0, res.stderr[-2000:]
+    d = diagnose_paths([tmp_path])
+    top = d.findings[0]
+    assert top.id == "load_imbalance" and top.ranks == (0, 1)
+    assert next(c for c in d.checks if c.id == "straggler").status == "passed"
+    steps = sorted({s.step for s in d.breakdown})
+    injected = statistics.fmean(abs(uneven_extra_ms(0, s, 0, 400) - uneven_extra_ms(1, s, 0, 400)) for s in steps) / 2
+    # each rank's mean wait for the step's slowest; contention on two cores moves it by tens of ms
+    assert 0.6 * injected < top.recoverable_ms < 1.5 * injected
+
+
 def test_a_jobs_own_profiler_repeating_until_the_end_is_read_from_its_last_whole_window(tmp_path):
     """torch's default schedule repeats (repeat=0) and the default names are {host}_{pid}.{ns}:
     a trace a rank a window, the last cut by the run's end. Until 2026-12-07: "two traces for

@@ -19,8 +19,8 @@ healthy job is called a straggler in at most 1 of 20 runs by jitter alone):
   step mixes collectives the rank is late for with ones it is not (Lightning's per-step
   broadcast, where another rank comes last by 0.1 ms, beside the all-reduce the rank holds up
   by 150 ms: per collective that is a coin toss, per step it is not).
-Otherwise the waiting is arrival jitter, and the check passes saying so (and how much: no
-other check books a wait for a late peer).
+Otherwise the waiting is no single rank's, and the check passes saying so and how much: arrival
+jitter, or uneven work whose slowest rank changes from step to step, which imbalance.py judges.
 
 Named and sized by effect, where the step graph's replay reproduces the steps
 (diagnose/whatif.py): each rank's effect is what the replay gives back when that rank's work
@@ -56,6 +56,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
+from diagnose.analyzers import imbalance
 from diagnose.analyzers.chance import binom_sf, mean_positive_p
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.analyzers.why_late import reduce, why_late  # noqa: F401 - reduce: the checklist entry's
@@ -300,9 +301,16 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
+    """The straggler check, then uneven work across ranks (imbalance.py), which reads whom it flagged."""
+    c = _straggler(ctx, th)
+    named = tuple(c.finding.ranks) if c.status == "flagged" and c.finding is not None else ()
+    return [c, imbalance.analyze(ctx, th, named)]
+
+
+def _straggler(ctx: Context, th: Thresholds) -> Check:
     run = ctx.run
     if len(run.ranks) < 2:
-        return [not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: lateness needs at least two ranks")]
+        return not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: lateness needs at least two ranks")
     effect = effects(ctx)
     step_ms = ctx.mean_step_ms
     pc, pr = ctx.matched.per_collective, ctx.matched.frame(["rank", "lateness", "row"])
@@ -310,7 +318,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     by_effect, group, then = _name(ctx, th, effect, lateness_ms, step_ms)
     late = late_rank(ctx, th, by_effect)
     if late is None:
-        return [not_measurable(ID, TITLE, "no collectives could be matched across ranks")]
+        return not_measurable(ID, TITLE, "no collectives could be matched across ranks")
     n, named, consistent = len(pc), list(late.named), late.consistent
     if set(named) != set(ctx.late_together) and (len(named) > 1 or len(ctx.late_together) > 1):
         # not the breakdown's split (which is by the ranks late together): what the others wait for these
@@ -429,15 +437,15 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                 f"chance test (it needs {need} all late; {tested}): the {ms:.1f} ms per step of waiting for "
                 f"{'it' if len(named) == 1 else 'them'} may be either; profile more steps to tell" if need is not None
                 else f"no rank is late more than chance: {who} last at {consistent:.0%} of {n} collectives against "
-                     f"{late.chance:.0%} by chance ({tested}); the {ms:.1f} ms per step of waiting is arrival "
-                     "jitter: no single rank to fix")
-        return [Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
-                      reason=said + ", and not booked as exposed communication either")]
+                     f"{late.chance:.0%} by chance ({tested}); the {ms:.1f} ms per step of waiting is no single "
+                     "rank's to fix (arrival jitter, or uneven work: the load_imbalance check judges which)")
+        return Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
+                     reason=said + ", and not booked as exposed communication either")
     if size is None:
-        return [flag_or_pass(f, th.straggler, th, reason)]
+        return flag_or_pass(f, th.straggler, th, reason)
     # decided by its effect; the finding keeps its own estimate, which the replay then replaces
     c = flag_or_pass(replace(f, recoverable_ms=round(size, 3), share_of_step=round(size / step_ms, 4)),
                      th.straggler, th, reason)
     if c.finding is None:  # below the threshold: still say who is late, by how much, and why
-        return [replace(c, reason=f"{reason}: {c.reason}")]
-    return [replace(c, finding=f)]
+        return replace(c, reason=f"{reason}: {c.reason}")
+    return replace(c, finding=f)

@@ -1,0 +1,184 @@
+"""3b. Uneven work across ranks: the slowest rank changes from step to step.
+
+A straggler is one rank (or one host's ranks) late step after step; the straggler check names it.
+Where every rank takes its turn at being slowest (sequence lengths that vary by batch, uneven
+token routing in a mixture of experts, batches unequal to load), no rank is late more than chance
+and the straggler check passes, yet each step runs at its slowest rank's pace while the others
+wait for it at the collectives. That time was called arrival jitter and booked nowhere: a job
+whose ranks waited 18% of every step read "no significant cause found".
+
+Sized on the one model of the step (diagnose/whatif.py): what the replay gives back with every
+rank's work between collectives brought to the median rank's (the straggler's edit with every rank
+listed): the same work spread evenly. The check's own estimate, where there is no faithful replay:
+the mean over ranks of the per-step wait at collectives for a late peer; each rank waits for the
+slowest rank's excess over its own work, so the mean wait is the slowest rank's excess over the
+mean rank, what even work gives back.
+
+Flagged where
+- the straggler check flagged no rank (with one, the waiting is first the straggler's; what
+  bringing every rank to the median gives back beyond it is said in the passed reason);
+- the slowest rank changes: the rank slowest most often is so in fewer than
+  Thresholds.imbalance_same_rank of the steps, judged on the probes' every-step record where it
+  holds MIN_EVERY_STEPS steps with collectives, else on the profiled steps (MIN_STEPS at least:
+  with fewer a slow rank and a changing one cannot be told apart);
+- and it costs Thresholds.load_imbalance of the step or more.
+Which part of each step's slowest rank is longer than the other ranks' (its ops, its DataLoader
+waits, the time outside both) says what is uneven, and the fix follows it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.context import Context
+from diagnose.model import Check, Finding
+from diagnose.probedata import every_step_lateness
+from diagnose.thresholds import Thresholds
+from diagnose.units import rank_ranges
+
+ID = "load_imbalance"
+TITLE = "Uneven work across ranks (the slowest rank changes from step to step)"
+MIN_STEPS = 3
+MIN_EVERY_STEPS = 10
+# the breakdown's parts of a rank's own time (not its waits for others), and what each says is uneven
+SOURCES = {
+    "compute_ms": "its ops (more work in its batch)",
+    "dataloader_ms": "its DataLoader waits (batches unequal to load)",
+    "other_ms": "time outside ops and waits (host contention, Python work, a wait the profiler does not record)",
+}
+FIX = {
+    "compute_ms": ("Even out the work each rank gets per step: batch by tokens rather than by samples (a "
+                   "length-grouped or bucketing sampler that puts sequences of similar length together, or "
+                   "pack sequences to a fixed length), cap the tokens per rank, and for a mixture of experts "
+                   "balance the routing (a load-balancing loss, a capacity factor)."),
+    "dataloader_ms": ("Keep slow batches out of the step: more DataLoader workers and a deeper prefetch "
+                      "(prefetch_factor) so a batch that is slow to load is ready in time, and even out the "
+                      "per-sample cost (pre-process or cache the expensive samples)."),
+    "other_ms": ("Find what runs outside the ops on each step's slowest rank (py-spy or torch.profiler "
+                 "with_stack=True on every rank); keep other processes off the ranks' cores (pin each rank "
+                 "to its own cores) and Python work such as logging out of the step."),
+}
+
+
+def _slowest_by_profiled_step(table: pd.DataFrame) -> pd.Series:
+    """Per profiled step, the rank that worked longest (its step less its waits for late peers)."""
+    t = table[["step", "rank"]].assign(own=table["step_ms"] - table["straggler_wait_ms"])
+    t = t[t.groupby("step")["rank"].transform("size") >= 2]
+    return t.loc[t.groupby("step")["own"].idxmax()].set_index("step")["rank"].astype(int)
+
+
+def _slowest_by_every_step(ctx: Context) -> pd.Series:
+    """Per step of the probes' every-step record, the rank that held the collectives longest:
+    the sum over the step's collectives of its arrival minus the next-latest one's, where last."""
+    every = every_step_lateness(ctx.probes)
+    if every.empty:
+        return pd.Series(dtype=int)
+    key = ["step", "group", "seq"]
+    at = every.groupby(key)["arrival"].idxmax()
+    gap = every.groupby(key)["arrival"].max() - every.drop(index=at).groupby(key)["arrival"].max()
+    last = every.loc[at].set_index(key)["rank"].reindex(gap.index)
+    held = pd.DataFrame({"step": gap.index.get_level_values("step"), "rank": last.to_numpy(),
+                         "gap": gap.fillna(0.0).to_numpy()}).groupby(["step", "rank"])["gap"].sum()
+    held = held[held > 0].reset_index()
+    return held.loc[held.groupby("step")["gap"].idxmax()].set_index("step")["rank"].astype(int)
+
+
+def _source(table: pd.DataFrame, slowest: pd.Series) -> dict[str, float]:
+    """Per part of the breakdown, how much longer each step's slowest rank spent in it than the
+    step's other ranks on average (ms, mean over the steps)."""
+    cols = [c for c in SOURCES if c in table.columns]
+    t = table[table["step"].isin(slowest.index)]
+    is_slow = t["rank"].to_numpy() == slowest.reindex(t["step"]).to_numpy()
+    slow = t[is_slow].groupby("step")[cols].mean()
+    rest = t[~is_slow].groupby("step")[cols].mean()
+    return {c: round(float((slow[c] - rest[c]).mean()), 3) for c in cols} if len(slow) else {}
+
+
+def _late_rows(ctx: Context, n: int = 4) -> tuple:
+    """Evidence: each of the latest ranks' latest arrival (a rank each, so that the turns show)."""
+    pr = ctx.matched.frame(["rank", "lateness", "row", "step"])
+    if pr.empty:
+        return ()
+    top = pr.loc[pr.groupby("rank")["lateness"].idxmax()].nlargest(n, "lateness")
+    return tuple(ctx.event_ref(int(r.rank), int(r.row), f"arrived {r.lateness / 1000:.2f} ms after the median rank "
+                               f"(step {int(r.step)})") for r in top.itertuples())
+
+
+def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...]) -> Check:
+    """straggler_ranks: the ranks the straggler check flagged (none: it flagged nothing)."""
+    run = ctx.run
+    if len(run.ranks) < 2:
+        return not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: uneven work needs at least two ranks")
+    if ctx.matched.per_collective.empty:
+        return not_measurable(ID, TITLE, "no collectives could be matched across ranks")
+    ranks = tuple(int(r) for r in run.ranks)
+    wait = ctx.per_rank_mean("straggler_wait_ms")
+    own = float(wait.mean()) if len(wait) else 0.0
+    m = ctx.model
+    trusted = m is not None and m.trusted
+    balanced = m.saving(ID, ranks) if trusted else None
+    if straggler_ranks:
+        beyond = (max(balanced - (m.saving("straggler", straggler_ranks) or 0.0), 0.0)
+                  if balanced is not None else None)
+        more = (f"; bringing every rank to the median rank gives back {beyond:.1f} ms per step more than "
+                "bringing those alone (replayed)" if beyond is not None else "")
+        who = f"rank {rank_ranges(straggler_ranks)}" if len(straggler_ranks) == 1 else \
+            f"ranks {rank_ranges(straggler_ranks)}"
+        return Check(id=ID, title=TITLE, status="passed", measured_ms=round(beyond, 3) if beyond is not None else None,
+                     reason=f"the waiting at collectives is first the straggler check's ({who})" + more)
+    every = _slowest_by_every_step(ctx)
+    profiled = _slowest_by_profiled_step(ctx.table) if not ctx.table.empty else pd.Series(dtype=int)
+    use_every = len(every) >= MIN_EVERY_STEPS
+    slowest = every if use_every else profiled
+    cost = balanced if balanced is not None else own
+    if len(slowest) < MIN_STEPS:
+        return Check(id=ID, title=TITLE, status="passed", measured_ms=round(cost, 3),
+                     reason=f"{len(profiled)} profiled step(s): whether the slowest rank changes from step to step "
+                            f"needs {MIN_STEPS}; the ranks wait {own:.1f} ms per step for late peers")
+    turns = slowest.value_counts(normalize=True)
+    top_rank, top_share = int(turns.index[0]), float(turns.iloc[0])
+    where = "(the probes' every-step record)" if use_every else "(the profiled steps)"
+    metrics: dict[str, float | int | str] = {
+        "wait_ms_per_step": round(own, 3),
+        "share_of_step": round(cost / ctx.mean_step_ms, 4) if ctx.mean_step_ms > 0 else 0.0,
+        "steps_judged": int(len(slowest)),
+        "judged_on": "every_step_record" if use_every else "profiled_steps",
+        "slowest_rank_most_often": top_rank,
+        "its_share_of_steps": round(top_share, 3),
+    }
+    for r in sorted(turns.index):
+        metrics[f"rank{int(r)}_slowest_share"] = round(float(turns[r]), 3)
+    if top_share >= th.imbalance_same_rank:
+        return Check(id=ID, title=TITLE, status="passed", measured_ms=round(cost, 3),
+                     reason=f"the slowest rank does not change: rank {top_rank} is slowest at {top_share:.0%} of "
+                            f"{len(slowest)} steps {where}, a straggler's pattern (the straggler check judges it)")
+    extra = _source(ctx.table, profiled) if len(profiled) else {}
+    for k, v in extra.items():
+        metrics[f"slowest_extra_{k}"] = v
+    key = max(extra, key=extra.get) if extra and max(extra.values()) > 0 else None
+    if key is not None:
+        metrics["uneven_in"] = key
+    base = "high" if use_every else "medium"
+    if ctx.matched.match_ratio < 0.9:
+        base = "low"  # sampled or partial traces: matching by order is unreliable
+    if base == "high" and run.unnamed_groups:
+        base = "medium"  # several process groups matched as one: the waits approximate
+    n_turns = int((turns > 0).sum())
+    reason = (f"the slowest rank changes from step to step: {n_turns} of {len(ranks)} ranks take turns, rank "
+              f"{top_rank} the most often at {top_share:.0%} of {len(slowest)} steps {where}; the ranks wait "
+              f"{own:.1f} ms per step on average for each step's slowest")
+    if balanced is not None:
+        reason += f"; bringing every rank to the median rank gives back {balanced:.1f} ms per step (replayed)"
+    if key is not None:
+        reason += (f"; each step's slowest rank is longer in {SOURCES[key]}: +{extra[key]:.1f} ms per step "
+                   "against the other ranks")
+    share = own / ctx.mean_step_ms if ctx.mean_step_ms > 0 else 0.0
+    f = Finding(
+        id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(own, 3), share_of_step=round(share, 4),
+        ranks=ranks, metrics=metrics, events=_late_rows(ctx), fix=FIX.get(key or "compute_ms"),
+        confidence=confidence_for(ctx, base),
+        method="Mean over ranks of the per-step time spent waiting at collectives for a late peer: each rank "
+               "waits for the step's slowest rank, so this is the slowest rank's excess over the mean rank, "
+               "what spreading the same work evenly gives back.")
+    return flag_or_pass(f, th.load_imbalance, th, reason, ctx)
