@@ -64,6 +64,10 @@ def _straggler(g, w, tr, ranks):
     return sg.rank_at_median(g, set(ranks) or set(g.ranks), w), tr
 
 
+def _every_rank(g, w, tr, ranks):
+    return _straggler(g, w, tr, ())  # whichever ranks the finding lists: uneven work is every rank's
+
+
 def _comm_hidden(g, w, tr, ranks):
     return sg.without_parts(g, {"comm_wait": 1.0}, w), np.zeros(g.n_nodes)
 
@@ -81,7 +85,7 @@ EDITS: dict[str, Edit] = {
     "input_stall": _parts({"idle_input": 1.0, "input_copy": 1.0}),
     "exposed_communication": _comm_hidden,
     "straggler": _straggler,
-    "load_imbalance": _straggler,  # with every rank listed: the same work spread evenly
+    "load_imbalance": _every_rank,
     "launch_overhead": _parts({"idle_launch": 0.5}),
     "host_sync": _parts({"idle_sync": 1.0}),
     "reduce_dtype": _reduce_bf16,
@@ -164,8 +168,8 @@ class StepModel:
     def saving(self, cause: str, ranks: tuple[int, ...] = ()) -> float | None:
         """Mean ms per step the replay gives back with the cause removed (None: not modelled)."""
         key = (cause, tuple(sorted(ranks)))
-        if EDITS.get(cause) is _straggler and set(ranks) >= set(self.graph.ranks):
-            key = ("straggler", ())  # every rank to the median: one replay, however it is asked
+        if cause == "load_imbalance":
+            key = ("straggler", ())  # every rank to the median, the same replay (_every_rank)
         if key not in self._savings:
             e = self.edit(cause, ranks)
             self._savings[key] = None if e is None else \
