@@ -61,6 +61,8 @@ MUTATIONS = [
      "the uneven part read from the smallest difference"),
     ("diagnose/whatif.py", 'ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype", "load_imbalance"})',
      'ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype"})', "every rank at the median in the clean step beside a named straggler"),
+    ("diagnose/analyzers/launch.py", "np.minimum(fixed_cost, FIXED_MOST * floor))", "fixed_cost)",
+     "CPU per-op overhead counting an op at its one size whole (work read as overhead)"),
 ]
 
 

@@ -683,3 +683,15 @@ def test_a_recorded_slow_host_s_three_ranks_late_together_are_named_together():
     assert d.findings[0].id == "straggler" and sorted(d.findings[0].ranks) == [5, 6, 7], said
     # 8 ranks on 2 cores: the sleepers free cores for the others, so far less than 300 ms comes back
     assert d.findings[0].recoverable_ms > 60, said
+
+
+def test_two_ranks_last_half_the_time_each_are_not_named_together(tmp_path):
+    """Each of two ranks last at half the collectives: both reached straggler_consistency (50%), so
+    both were named, "ranks 0, 1 are last at 100% of 6 collectives", waiting 0.0 ms for them (a
+    CPU GPT-2 job read so). The rank most often last is the one spoken of."""
+    write_pair(tmp_path, [0, 1, 0, 1, 0, 1], late_us=300.0)  # too little for either rank's effect to name it
+    c = straggler(diagnose_paths([tmp_path]))
+    assert c.status == "passed"
+    assert c.reason.startswith("no rank is late more than chance: rank 0 is last at 50% of 6 collectives"), c.reason
+    # rank 1 waited for rank 0 at 3 of 6 steps, 0.3 ms each: 0.15 ms per step (the reason rounds it)
+    assert "the 0.1 ms per step of waiting" in c.reason, c.reason

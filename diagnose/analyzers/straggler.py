@@ -256,8 +256,10 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
         return None
     n = len(pc)
     last_share = pc.groupby("last_rank").size() / n
-    named = by_effect or [int(r) for r in last_share[last_share >= th.straggler_consistency].index] or \
-        [int(last_share.idxmax())]
+    often = [int(r) for r in last_share[last_share >= th.straggler_consistency].index]
+    if len(often) >= pc["n_ranks"].max():
+        often = []  # every rank "consistently" last (two ranks at half each): none is
+    named = by_effect or often or [int(last_share.idxmax())]
     chance = 1.0 / max(float(pc["n_ranks"].median()), 2.0)
     p_last = binom_sf(int(pc["last_rank"].isin(named).sum()), n, min(1.0, chance * len(named)))
     single = len(named) == 1
