@@ -5,6 +5,8 @@ ordinary scripts for their framework, run unmodified under `diagnose run`; only 
 are ours, injected the way a real one shows up:
 - a straggler: one rank sleeps before each backward (a slower GPU, a noisy neighbour);
 - a slow input pipeline: each sample's fetch sleeps (a slow disk, heavy decoding).
+Not a fault but data as it comes: `Tokens(lengths=(a, b))` gives sequences of varying length, each
+batch padded to its longest (`pad_batch`), so the ranks' work differs from step to step.
 """
 from __future__ import annotations
 
@@ -38,19 +40,39 @@ def rank() -> int:
 
 
 class Tokens(Dataset):
-    """Random token sequences (input_ids = labels: a language-model batch); optionally slow to fetch."""
+    """Random token sequences (input_ids = labels: a language-model batch); optionally slow to fetch.
+    lengths=(a, b): each sequence a..b tokens long (drawn from its index), else `seq` each."""
 
-    def __init__(self, n: int, seq: int = 32, vocab: int = 128, slow_ms: float = 0.0) -> None:
-        self.n, self.seq, self.vocab, self.slow_s = n, seq, vocab, slow_ms / 1000.0
+    def __init__(self, n: int, seq: int = 32, vocab: int = 128, slow_ms: float = 0.0,
+                 lengths: tuple[int, int] | None = None) -> None:
+        self.n, self.seq, self.vocab, self.slow_s, self.lengths = n, seq, vocab, slow_ms / 1000.0, lengths
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)  # iterated as a sequence (the Trainer's length-grouped sampler does), it ends
         if self.slow_s:
             time.sleep(self.slow_s)
-        ids = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
+        g = torch.Generator().manual_seed(i)
+        seq = self.seq if self.lengths is None else int(torch.randint(self.lengths[0], self.lengths[1] + 1, (1,),
+                                                                      generator=g))
+        ids = torch.randint(0, self.vocab, (seq,), generator=g)
         return {"input_ids": ids, "labels": ids}
+
+
+def pad_batch(items: list[dict]) -> dict:
+    """A batch of sequences padded to its longest, as DataCollatorWithPadding does (labels -100 on
+    the padding, an attention mask)."""
+    longest = max(len(x["input_ids"]) for x in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    labels = torch.full((len(items), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for j, x in enumerate(items):
+        n = len(x["input_ids"])
+        ids[j, :n], labels[j, :n], mask[j, :n] = x["input_ids"], x["labels"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def straggle(args: argparse.Namespace) -> None:

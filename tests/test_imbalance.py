@@ -107,3 +107,60 @@ def test_one_replay_answers_both_questions(recorded):
     assert len([k for k in m._savings if k[0] in ("straggler", "load_imbalance")]) == 1
     rep = recorded.extras["replay"]
     assert rep["by_cause_ms"]["load_imbalance"] == rep["by_cause_ms"]["straggler"]
+
+
+def _padded_lengths(fixture: Path) -> dict[int, dict[int, int]]:
+    """From the raw traces: each rank's padded sequence length at each profiled step (the token
+    embedding's input, [batch, tokens], as record_shapes wrote it)."""
+    import gzip
+    import json
+
+    out: dict[int, dict[int, int]] = {}
+    for f in sorted(fixture.glob("rank*.pt.trace.json.gz")):
+        events = json.loads(gzip.open(f).read())["traceEvents"]
+        steps = [(e["ts"], e["ts"] + e["dur"], int(e["name"].split("#")[1])) for e in events
+                 if str(e.get("name", "")).startswith("ProfilerStep#")]
+        emb = [(e["ts"], e["args"]["Input Dims"][1][1]) for e in events if e.get("name") == "aten::embedding"]
+        rank = int(f.name[4])
+        out[rank] = {s: max(n for ts, n in emb if a <= ts < b) for a, b, s in steps}
+    return out
+
+
+def _slowest(d) -> dict[int, int]:
+    import pandas as pd
+
+    from diagnose.analyzers.imbalance import _slowest_by_profiled_step
+
+    t = pd.DataFrame([{"rank": r.rank, "step": r.step, "step_ms": r.step_ms, "straggler_wait_ms": r.straggler_wait_ms}
+                      for r in d.breakdown])
+    return _slowest_by_profiled_step(t).to_dict()
+
+
+def test_a_hugging_face_trainer_on_sequences_of_varying_length_is_called_uneven_work():
+    """tests/fixtures/cpu_hf_lengths_2rank (README): the Trainer on sequences of 16-256 tokens, each
+    batch padded to its longest; nothing injected. The rank with the longer batch at a step is that
+    step's slowest, and which rank that is changes."""
+    fixture = FIXTURE.parent / "cpu_hf_lengths_2rank"
+    d = diagnose_paths([fixture])
+    top = d.findings[0]
+    assert top.id == "load_imbalance" and top.ranks == (0, 1) and top.metrics["uneven_in"] == "compute_ms"
+    tokens, slowest = _padded_lengths(fixture), _slowest(d)
+    longer = {s: int(tokens[1][s] > tokens[0][s]) for s in tokens[0] if abs(tokens[1][s] - tokens[0][s]) >= 20}
+    assert len(longer) >= 4 and set(longer.values()) == {0, 1}  # the longer batch changes rank
+    assert all(slowest[s] == r for s, r in longer.items()), (longer, slowest)
+
+
+def test_the_trainers_length_grouped_sampler_deals_the_longer_batch_to_rank_0():
+    """tests/fixtures/cpu_hf_grouped_2rank: the same job with train_sampling_strategy="group_by_length":
+    its steps are shorter (less padding), but the length-sorted batches are dealt to the ranks in
+    turn, so rank 0 gets the longer of each pair at every step: a straggler, late from compute, and
+    no longer uneven work."""
+    fixture = FIXTURE.parent / "cpu_hf_grouped_2rank"
+    d = diagnose_paths([fixture])
+    tokens = _padded_lengths(fixture)
+    assert all(tokens[0][s] > tokens[1][s] for s in tokens[0])
+    top = d.findings[0]
+    assert top.id == "straggler" and top.ranks == (0,) and top.metrics["late_from"].startswith("compute")
+    assert _check(d).status == "passed"
+    ungrouped = diagnose_paths([FIXTURE.parent / "cpu_hf_lengths_2rank"])
+    assert statistics.fmean(d.run.mean_step_ms.values()) < 0.9 * statistics.fmean(ungrouped.run.mean_step_ms.values())
