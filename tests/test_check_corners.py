@@ -606,13 +606,16 @@ def test_ten_every_step_collectives_decide_the_straggler_verdicts_confidence():
             [{"step": s, "seq": 0, "name": "all_reduce", "arrival": 1000.0 + s + (0.01 if r == late else 0.0),
               "dur_ms": 1.0, "bytes": 4.0, "group": "default"} for s in range(1, n + 1)])) for r in range(8)}
 
-    confidence = {}
+    confidence, doubt = {}, {}
     for n, late in ((9, 0), (10, 0), (10, 7)):
         c, _ = straggler.analyze(build_context(run, probes(n, late)), th)
         assert c.finding.ranks == (7,) and c.finding.metrics["every_step_collectives"] == n
         assert c.finding.metrics["held_share_of_last_waits"] > 0.9
         confidence[n, late] = c.finding.confidence
+        doubt[n, late] = "but over the probes' every-step record" in c.reason
     assert confidence == {(9, 0): "medium", (10, 0): "low", (10, 7): "medium"}
+    # the reason says so where the record decides against the window
+    assert doubt == {(9, 0): False, (10, 0): True, (10, 7): False}
 
 
 def test_an_op_run_at_one_size_only_is_work_not_overhead():

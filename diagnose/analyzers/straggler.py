@@ -395,6 +395,13 @@ def _straggler(ctx: Context, th: Thresholds) -> Check:
     if size is not None:
         reason += (f", and bringing {'it' if len(named) == 1 else 'them'} to the median rank gives back {size:.1f} "
                    "ms per step (replayed)")
+    if late.every_agree is not None and late.every_agree < 0.8 and (k := metrics.get("every_step_collectives", 0)) >= 10:
+        # the window says one rank, the whole run does not: say so beside the verdict, not in the confidence alone
+        last = max(float(metrics.get(f"rank{r}_every_step_last_share", 0.0)) for r in named)
+        reason += (f"; but over the probes' every-step record ({k} collectives) {'it' if len(named) == 1 else 'they'} "
+                   f"came last at {last:.0%} of them, holding {metrics.get('every_step_held_share', 0.0):.0%} of their "
+                   "waiting: the profiled steps may have caught a turn of uneven work (a slowest rank that changes "
+                   "from step to step)")
     fix = FIX
     if len(named) == 1 or group or then:
         # several: explained by the latest (named[0]) against the median other rank
