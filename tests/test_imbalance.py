@@ -164,3 +164,18 @@ def test_the_trainers_length_grouped_sampler_deals_the_longer_batch_to_rank_0():
     assert _check(d).status == "passed"
     ungrouped = diagnose_paths([FIXTURE.parent / "cpu_hf_lengths_2rank"])
     assert statistics.fmean(d.run.mean_step_ms.values()) < 0.9 * statistics.fmean(ungrouped.run.mean_step_ms.values())
+
+
+def test_a_bug_in_this_check_does_not_cost_the_straggler_s_verdict(monkeypatch):
+    """Both checks come from the straggler's checklist entry; the pipeline guards an entry, so the
+    entry guards this one."""
+    from diagnose.analyzers import imbalance
+
+    def broken(*a, **kw):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(imbalance, "analyze", broken)
+    d = diagnose_paths([FIXTURE.parent / "cpu_straggler_2rank"])
+    assert d.findings[0].id == "straggler" and d.findings[0].ranks == (1,)
+    c = _check(d)
+    assert c.status == "not_measurable" and c.reason == "failed on this input (ZeroDivisionError: a bug)"

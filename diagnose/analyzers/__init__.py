@@ -39,6 +39,8 @@ class Entry:
 CHECKLIST: tuple[Entry, ...] = (
     Entry("dataloader", dataloader.analyze, dataloader.reduce),
     Entry("communication", communication.analyze, communication.reduce),
+    # and after it load_imbalance (imbalance.py: uneven work whose slowest rank changes), which
+    # reads whom the straggler check flagged, so the straggler's entry returns both checks
     Entry("straggler", straggler.analyze, straggler.reduce),
     Entry("launch_overhead", launch.analyze, launch.reduce, uses_idle=True),
     # the queued idle launch_overhead leaves out: work launched, device waiting on something else

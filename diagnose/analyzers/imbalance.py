@@ -27,7 +27,6 @@ waits, the time outside both) says what is uneven, and the fix follows it.
 """
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable

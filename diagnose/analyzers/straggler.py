@@ -61,6 +61,7 @@ from diagnose.analyzers.chance import binom_sf, mean_positive_p
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.analyzers.why_late import reduce, why_late  # noqa: F401 - reduce: the checklist entry's
 from diagnose.context import Context
+from diagnose.errors import one_line
 from diagnose.model import Check, Finding
 from diagnose.probedata import every_step_lateness
 from diagnose.step.collectives import group_wait_ms
@@ -306,7 +307,12 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     """The straggler check, then uneven work across ranks (imbalance.py), which reads whom it flagged."""
     c = _straggler(ctx, th)
     named = tuple(c.finding.ranks) if c.status == "flagged" and c.finding is not None else ()
-    return [c, imbalance.analyze(ctx, th, named)]
+    try:
+        u = imbalance.analyze(ctx, th, named)
+    except Exception as exc:  # noqa: BLE001 - its bug must not cost the straggler's verdict (one entry, two checks)
+        u = not_measurable(imbalance.ID, imbalance.TITLE, one_line(f"failed on this input ({type(exc).__name__}: "
+                                                                    f"{exc})")[:300])
+    return [c, u]
 
 
 def _straggler(ctx: Context, th: Thresholds) -> Check:
