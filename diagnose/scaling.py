@@ -288,7 +288,12 @@ def _verdict(top: ScalePoint, bars: list[Bar], what_if: list[WhatIf], ideal: flo
     b = lost[0]
     on = ranks.get(b.id, ())
     where = f" on rank {rank_ranges(on)}" if on and len(on) < top.nproc else ""
-    out = f"{head}: the largest loss is {LABELS.get(b.id, b.id)}{where} ({b.lost_speedup:.2f}x, " \
+    label = LABELS.get(b.id, b.id)
+    if b.id == "straggler" and not on and "load_imbalance" in ranks:
+        # the same replay (every rank to the median) where no rank is named: the top run's check
+        # called it uneven work, and so does the page
+        label = "uneven work across ranks (waiting for each step's slowest rank)"
+    out = f"{head}: the largest loss is {label}{where} ({b.lost_speedup:.2f}x, " \
           f"{b.delta_ms:+.1f} ms per step)"
     w = next((x for x in what_if if x.id == b.id), None)
     if w is not None:

@@ -64,6 +64,18 @@ def test_replayed_costs_the_verdict_and_what_ifs_that_stay_positive():
     assert "without it a step would take 120.0 ms" in s.verdict
 
 
+def test_the_wait_for_a_changing_slowest_rank_is_called_uneven_work():
+    """With no straggler named at the largest N, the straggler's replayed cost is every rank brought
+    to the median; where that run's finding is uneven work, the verdict says so, not "a straggler"."""
+    base = point(1, 100.0, {"straggler": 0.0}, 100.0, replayed=100.0)
+    top = point(2, 160.0, {"straggler": 60.0}, 100.0, replayed=160.0)
+    s = account({1: base, 2: top}, ranks_by_cause={"load_imbalance": (0, 1)})
+    assert s.verdict.startswith("1.25x of an ideal 2.00x at N=2: the largest loss is uneven work across ranks "
+                                "(waiting for each step's slowest rank) (0.75x"), s.verdict
+    named = account({1: base, 2: top}, ranks_by_cause={"straggler": (1,)})
+    assert "the largest loss is waiting for a straggler on rank 1" in named.verdict
+
+
 def test_a_wait_comes_off_the_probed_step_as_it_is_and_host_op_time_is_scaled():
     """The profiled steps (509 ms replayed) are longer than the probed ones (490 ms) by the
     profiler's per-op overhead: a 410 ms DataLoader wait lasts as long in both, so the step
