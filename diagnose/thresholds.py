@@ -44,8 +44,9 @@ class Thresholds:
     """Flag uneven work across ranks (the slowest rank changing from step to step) when spreading
     it evenly gives back 10% of the step or more: the share this module asks of causes that are not
     one rank's to fix (exposed communication, launch overhead). Below it, ranks sharing a busy host
-    wait for each other's jitter (healthy 2- and 4-rank gloo jobs on the 2-core machine the tests
-    run on: 2-7%, recorded fixtures)."""
+    wait for each other's jitter (healthy 2-rank gloo jobs on the 2-core machine the tests run on:
+    1.4-6.3% replayed; four ranks on its two cores, `cpu_2d_4rank`: 7.3% replayed, 9.5% by the check's
+    own estimate, which it uses there: that replay misses a step by 6.6%)."""
 
     imbalance_same_rank: float = 0.8
     """...and only while the rank slowest most often is slowest in fewer than 80% of the steps;
