@@ -457,3 +457,16 @@ def every_step_lateness(probes: dict[int, ProbeData]) -> pd.DataFrame:
     c = c[n >= 2].copy()
     c["lateness_ms"] = (c["arrival"] - c.groupby(["step", "group", "seq"])["arrival"].transform("median")) * 1000
     return c
+
+
+def every_step_last(every: pd.DataFrame) -> pd.DataFrame:
+    """Per matched collective of `every` (every_step_lateness's frame), indexed by (step, group,
+    seq): the rank that came last and its gap over the next-latest arrival (s; 0 without one),
+    the waiting that rank alone held. The straggler and uneven-work checks both read it."""
+    key = ["step", "group", "seq"]
+    if every.empty:
+        return pd.DataFrame({"rank": pd.Series(dtype=int), "gap": pd.Series(dtype=float)})
+    at = every.groupby(key)["arrival"].idxmax()
+    gap = (every.groupby(key)["arrival"].max() - every.drop(index=at).groupby(key)["arrival"].max()).fillna(0.0)
+    last = every.loc[at].set_index(key)["rank"].reindex(gap.index)
+    return pd.DataFrame({"rank": last.astype(int), "gap": gap})

@@ -32,7 +32,7 @@ import pandas as pd
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
-from diagnose.probedata import every_step_lateness
+from diagnose.probedata import every_step_last, every_step_lateness
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -67,18 +67,14 @@ def _slowest_by_profiled_step(table: pd.DataFrame) -> pd.Series:
     return t.loc[t.groupby("step")["own"].idxmax()].set_index("step")["rank"].astype(int)
 
 
-def _slowest_by_every_step(ctx: Context) -> pd.Series:
+def _slowest_by_every_step(every: pd.DataFrame) -> pd.Series:
     """Per step of the probes' every-step record, the rank that held the collectives longest:
     the sum over the step's collectives of its arrival minus the next-latest one's, where last."""
-    every = every_step_lateness(ctx.probes)
-    if every.empty:
+    per = every_step_last(every)
+    if per.empty:
         return pd.Series(dtype=int)
-    key = ["step", "group", "seq"]
-    at = every.groupby(key)["arrival"].idxmax()
-    gap = every.groupby(key)["arrival"].max() - every.drop(index=at).groupby(key)["arrival"].max()
-    last = every.loc[at].set_index(key)["rank"].reindex(gap.index)
-    held = pd.DataFrame({"step": gap.index.get_level_values("step"), "rank": last.to_numpy(),
-                         "gap": gap.fillna(0.0).to_numpy()}).groupby(["step", "rank"])["gap"].sum()
+    held = pd.DataFrame({"step": per.index.get_level_values("step"), "rank": per["rank"].to_numpy(),
+                         "gap": per["gap"].to_numpy()}).groupby(["step", "rank"])["gap"].sum()
     held = held[held > 0].reset_index()
     return held.loc[held.groupby("step")["gap"].idxmax()].set_index("step")["rank"].astype(int)
 
@@ -104,8 +100,9 @@ def _late_rows(ctx: Context, n: int = 4) -> tuple:
                                f"(step {int(r.step)})") for r in top.itertuples())
 
 
-def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...]) -> Check:
-    """straggler_ranks: the ranks the straggler check flagged (none: it flagged nothing)."""
+def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...], every: pd.DataFrame | None = None) -> Check:
+    """straggler_ranks: the ranks the straggler check flagged (none: it flagged nothing); every:
+    the probes' every_step_lateness, where the caller has it."""
     run = ctx.run
     if len(run.ranks) < 2:
         return not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: uneven work needs at least two ranks")
@@ -126,10 +123,10 @@ def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...]) -> C
             f"ranks {rank_ranges(straggler_ranks)}"
         return Check(id=ID, title=TITLE, status="passed", measured_ms=round(beyond, 3) if beyond is not None else None,
                      reason=f"the waiting at collectives is first the straggler check's ({who})" + more)
-    every = _slowest_by_every_step(ctx)
+    by_every = _slowest_by_every_step(every_step_lateness(ctx.probes) if every is None else every)
     profiled = _slowest_by_profiled_step(ctx.table) if not ctx.table.empty else pd.Series(dtype=int)
-    use_every = len(every) >= MIN_EVERY_STEPS
-    slowest = every if use_every else profiled
+    use_every = len(by_every) >= MIN_EVERY_STEPS
+    slowest = by_every if use_every else profiled
     cost = balanced if balanced is not None else own
     if len(slowest) < MIN_STEPS:
         return Check(id=ID, title=TITLE, status="passed", measured_ms=round(cost, 3),

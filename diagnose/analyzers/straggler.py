@@ -63,7 +63,7 @@ from diagnose.analyzers.why_late import reduce, why_late  # noqa: F401 - reduce:
 from diagnose.context import Context
 from diagnose.errors import one_line
 from diagnose.model import Check, Finding
-from diagnose.probedata import every_step_lateness
+from diagnose.probedata import every_step_last, every_step_lateness
 from diagnose.step.collectives import group_wait_ms
 from diagnose.thresholds import Thresholds
 from diagnose.whatif import StepModel
@@ -249,9 +249,11 @@ def _name(ctx: Context, th: Thresholds, effect: dict[int, float] | None, latenes
     return named, [], then
 
 
-def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) -> LateRank | None:
+def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None,
+              every: pd.DataFrame | None = None) -> LateRank | None:
     """The ranks named (by_effect, else the rank most often last at the matched collectives) and
-    the chance tests on them (None: nothing to match)."""
+    the chance tests on them (None: nothing to match). every: the probes' every_step_lateness,
+    where the caller has it."""
     pc = ctx.matched.per_collective
     if len(ctx.run.ranks) < 2 or pc.empty:
         return None
@@ -274,19 +276,17 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
                                        "p_last_more_than_chance": round(p_last, 4),
                                        "p_late_on_average": round(p_late, 4),
                                        "p_late_per_step": round(p_step, 4)}
-    every = every_step_lateness(ctx.probes)
+    every = every_step_lateness(ctx.probes) if every is None else every
     if not every.empty:
         key = ["step", "group", "seq"]
-        at = every.groupby(key)["arrival"].idxmax()
-        last = every.loc[at, "rank"]
+        per = every_step_last(every)
+        last, gap = per["rank"], per["gap"]
         every_share = last.value_counts(normalize=True)
         metrics["every_step_collectives"] = int(len(last))
         for r in sorted(every_share.index):
             metrics[f"rank{int(r)}_every_step_last_share"] = round(float(every_share[r]), 3)
         # as in the profiled steps, by how often a named rank came last or by how much waiting it held
-        gap = (every.groupby(key)["arrival"].max() - every.drop(index=at).groupby(key)["arrival"].max()).fillna(0.0)
-        last_of = every.loc[at].set_index(key)["rank"].reindex(gap.index)
-        held_every = float(gap[last_of.isin(named)].sum() / gap.sum()) if gap.sum() > 0 else 0.0
+        held_every = float(gap[last.isin(named)].sum() / gap.sum()) if gap.sum() > 0 else 0.0
         metrics["every_step_held_share"] = round(held_every, 4)
         agree = max(float(every_share.reindex(named).fillna(0).max()), held_every)
         every_ranks = int(every.groupby(key)["rank"].nunique().median())
@@ -305,17 +305,18 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None) 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     """The straggler check, then uneven work across ranks (imbalance.py), which reads whom it flagged."""
-    c = _straggler(ctx, th)
+    every = every_step_lateness(ctx.probes)  # both read it: one concat of every rank's collectives
+    c = _straggler(ctx, th, every)
     named = tuple(c.finding.ranks) if c.status == "flagged" and c.finding is not None else ()
     try:
-        u = imbalance.analyze(ctx, th, named)
+        u = imbalance.analyze(ctx, th, named, every)
     except Exception as exc:  # noqa: BLE001 - its bug must not cost the straggler's verdict (one entry, two checks)
         u = not_measurable(imbalance.ID, imbalance.TITLE, one_line(f"failed on this input ({type(exc).__name__}: "
                                                                     f"{exc})")[:300])
     return [c, u]
 
 
-def _straggler(ctx: Context, th: Thresholds) -> Check:
+def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
     run = ctx.run
     if len(run.ranks) < 2:
         return not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: lateness needs at least two ranks")
@@ -324,7 +325,7 @@ def _straggler(ctx: Context, th: Thresholds) -> Check:
     pc, pr = ctx.matched.per_collective, ctx.matched.frame(["rank", "lateness", "row"])
     lateness_ms = pr.groupby("rank")["lateness"].mean() / 1000 if not pr.empty else pd.Series(dtype=float)
     by_effect, group, then = _name(ctx, th, effect, lateness_ms, step_ms)
-    late = late_rank(ctx, th, by_effect)
+    late = late_rank(ctx, th, by_effect, every)
     if late is None:
         return not_measurable(ID, TITLE, "no collectives could be matched across ranks")
     n, named, consistent = len(pc), list(late.named), late.consistent
