@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.15"
+SCHEMA_VERSION = "1.16"
 
 FindingId = Literal[
     "dataloader_starvation",

@@ -107,6 +107,23 @@ class SyntheticDataset(Dataset):
         return self.x[i], self.y[i]
 
 
+class EpochsSampler(torch.utils.data.Sampler):
+    """Every epoch's indices in turn, each epoch shuffled anew: one DataLoader iterator for the
+    whole run, so the workers' prefetch runs on across epoch ends (an epoch's first batch is
+    loaded while the last one's steps run, not after)."""
+
+    def __init__(self, n: int, epochs: int) -> None:
+        self.n, self.epochs = n, epochs
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for _ in range(self.epochs):
+            yield from torch.randperm(self.n, generator=g).tolist()
+
+    def __len__(self) -> int:
+        return self.n * self.epochs
+
+
 PRESETS: dict[str, dict] = {
     "none": {},
     # faults sized far above what a busy 2-core machine's noise can move (steps are ~100-200 ms there):
@@ -196,6 +213,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uneven-ms", type=float, default=0.0,
                    help="each step each rank computes a random extra 0..MS ms (drawn per rank and step): "
                         "uneven batches, no rank slow on average")
+    p.add_argument("--epoch-steps", type=int, default=0,
+                   help="epochs of this many steps: the loader's iterator is made anew at each epoch's start "
+                        "(0: one epoch as long as the run)")
+    p.add_argument("--persistent-workers", action="store_true",
+                   help="the DataLoader keeps its workers between epochs (with --num-workers > 0)")
+    p.add_argument("--sampler-spans-epochs", action="store_true",
+                   help="with --epoch-steps: one iterator over every epoch (a sampler yielding each epoch's "
+                        "indices in turn, reshuffled per epoch), so the workers prefetch across epoch ends")
     p.add_argument("--eval-every", type=int, default=0, help="an evaluation after every N-th step (0: none)")
     p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation")
     p.add_argument("--eval-getitem-ms", type=float, default=0.0, help="the evaluation Dataset's __getitem__ sleeps")
@@ -341,14 +366,19 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     params = list(model.parameters())
     opts = [torch.optim.SGD(params, lr=1e-3)] if args.optimizers == 1 else \
         [torch.optim.SGD(params[:2], lr=1e-3), torch.optim.Adam(params[2:], lr=1e-4)]
-    n = args.batch_size * args.grad_accum * (args.steps + 2)
+    n = args.batch_size * args.grad_accum * (args.epoch_steps or args.steps + 2)
     dataset = SyntheticDataset(n, args.dim, args.slow_getitem_ms if args.slow_getitem_rank in (-1, rank) else 0.0)
+    epochs = None
+    if args.epoch_steps and args.sampler_spans_epochs:
+        epochs = EpochsSampler(len(dataset), -(-args.steps // args.epoch_steps) + 1)
     loader = DataLoader(
         dataset,
+        sampler=epochs,
         batch_size=args.batch_size,
         num_workers=args.num_workers,
         pin_memory=args.pin_memory and use_cuda,
         drop_last=True,
+        persistent_workers=args.persistent_workers and args.num_workers > 0,
     )
 
     eval_loader = None
@@ -404,8 +434,11 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
             try:
                 x, y = next(batches)
             except StopIteration:
-                ran_out = True
-                break
+                if not args.epoch_steps:
+                    ran_out = True
+                    break
+                batches = iter(loader)  # a new epoch: without persistent workers, new worker processes
+                x, y = next(batches)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # no_sync() skips the gradient all-reduce of every micro-batch but the last
             skip = (micro < args.grad_accum - 1 and not args.sync_every_micro_batch

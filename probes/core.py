@@ -123,6 +123,9 @@ class StepRecord:
     comm_ms: float
     """Wall time with at least one collective in flight: DDP's bucket all-reduces overlap, so
     their durations are merged, never added (the sum can exceed the step)."""
+    first_batch_ms: float = 0.0
+    """Of dataloader_ms, the wait for a training iterator's first batch (an epoch's start); written
+    only when non-zero."""
     collectives: list = field(default_factory=list)
     """[name, arrival offset ms from step start, duration ms, bytes, group] per collective."""
     spans: list = field(default_factory=list)
@@ -166,6 +169,7 @@ class Probe:
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
         self._dl_ms = 0.0
+        self._dl_first_ms = 0.0
         self._comm_ms = 0.0
         self._colls: list = []
         self._spans: list = []
@@ -240,8 +244,11 @@ class Probe:
             top.close()
 
     # ---- events from the training loop --------------------------------------------
-    def on_data_wait(self, seconds: float) -> None:
+    def on_data_wait(self, seconds: float, first: bool = False) -> None:
+        """first: the fetch was a training iterator's first (an epoch's start)."""
         self._dl_ms += seconds * 1000.0
+        if first:
+            self._dl_first_ms += seconds * 1000.0
 
     def on_collective(self, name: str, start: float, end: float, nbytes: int, group: str) -> None:
         """start/end are time.perf_counter() values; end may be the enqueue time of an async op."""
@@ -304,6 +311,7 @@ class Probe:
                 comm = min(_in_flight_ms(self._colls) + self._comm_ms, dur_ms)
                 rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round(dur_ms, 4),
                                  dataloader_ms=round(self._dl_ms, 4), comm_ms=round(comm, 4),
+                                 first_batch_ms=round(self._dl_first_ms, 4),
                                  collectives=self._colls, spans=self._spans, device=device)
                 self._colls = []
                 self._spans = []
@@ -327,6 +335,7 @@ class Probe:
             self.write_sidecar()
         self._poll_capture()
         self._dl_ms = 0.0
+        self._dl_first_ms = 0.0
         self._comm_ms = 0.0
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
@@ -490,6 +499,7 @@ class Probe:
             self._steps_file = d.open_append(name, buffering=1 << 16)
         self._write_line({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
                           rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
+                          **({"first_batch_ms": rec.first_batch_ms} if rec.first_batch_ms else {}),
                           **({"spans": rec.spans} if rec.spans else {}),
                           **({"device_ms": rec.device} if rec.device else {})})
 

@@ -101,6 +101,9 @@ class _TimedIter:
         self._it = it
         self._probe = probe
         self._mark = mark
+        # a training iterator's first fetch: an epoch's start, where the workers' prefetch begins
+        # from nothing (persistent workers or not): the analysis tells that wait from the rest
+        self._first = mark is None
         if mark is not None:
             from torch.autograd.profiler import record_function
 
@@ -126,7 +129,8 @@ class _TimedIter:
                     span.__exit__(None, None, None)
                 except Exception:  # noqa: BLE001, S110
                     pass
-            self._probe.on_data_wait(time.perf_counter() - t)
+            first, self._first = self._first, False
+            self._probe.on_data_wait(time.perf_counter() - t, first)
 
     def __len__(self):
         return len(self._it)

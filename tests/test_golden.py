@@ -36,7 +36,8 @@ RECORDED = ["cpu_straggler_2rank", "cpu_straggler_dataloader_2rank", "cpu_checkp
             "cpu_reduce_bf16_2rank", "cpu_huge_bucket_2rank", "cpu_tiny_buckets_2rank", "cpu_eval_in_loop_2rank",
             "cpu_window_unlike_run_2rank", "cpu_two_optimizers_2rank", "cpu_gan_2rank", "cpu_2d_straggler_4rank",
             "cpu_2d_4rank", "cpu_late_group_8rank", "cpu_uneven_2rank",
-            "cpu_hf_lengths_2rank", "cpu_hf_grouped_2rank"] + [f"gpu_h200/{d.name}" for d in sorted((FIXTURES / "gpu_h200").iterdir()) if d.is_dir()]
+            "cpu_hf_lengths_2rank", "cpu_hf_grouped_2rank", "cpu_epoch_starts_2rank",
+            "cpu_epoch_sampler_2rank"] + [f"gpu_h200/{d.name}" for d in sorted((FIXTURES / "gpu_h200").iterdir()) if d.is_dir()]
 
 
 def _round(x):

@@ -5,6 +5,16 @@ Estimation (dataloader_starvation): per rank, the mean per-step time spent in
 traces) or that blocks the training thread (CPU traces); the job-level figure is
 the worst rank's, since every other rank waits for it at the next collective.
 
+Where the wait comes at epoch starts: the probes mark each training iterator's first fetch
+(probes/patches._TimedIter): a new iterator begins its workers' prefetch from nothing and one
+worker loads that batch alone, so more workers, the usual fix, do not shorten it (measured:
+`examples/train_ddp.py --epoch-steps 4 --num-workers 2 --slow-getitem-ms 1` waited ~300 ms at each
+epoch's start with 2 or 4 workers, persistent or not; one iterator over every epoch,
+`--sampler-spans-epochs`, took the run's mean step from 201 to 137 ms). Where most of the
+every-step record's wait is such first batches, the finding says so, with the run's figures
+beside the profiled window's (a window of a few steps holds one epoch start or two, by chance),
+and leads its fix with keeping the prefetch running across epochs.
+
 Estimation (input_stall): on GPU traces, per step, the time the device copies pageable host
 memory with no kernel alongside (RankTimeline.input_copies: such a copy runs at the host's staging
 speed and blocks the host), and, replayed, the idle gaps the device spends waiting on an input
@@ -17,6 +27,9 @@ from itertools import islice
 
 import numpy as np
 
+import numpy as np
+
+from diagnose.ingest.assemble import absolute_span_us
 from diagnose.analyzers.common import (confidence_for, evaluation_marks, evaluation_spans, flag_or_pass,
                                       not_measurable)
 from diagnose.context import Context
@@ -25,10 +38,12 @@ from diagnose.model import Check, Finding
 from diagnose.step.cover import column
 from diagnose.step.intervals import covered, intersect, union
 from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _names_matching
+from diagnose.step.window import in_window
 from diagnose.thresholds import Thresholds
 
 TITLE = "Dataloader starvation"
 TITLE_EVAL = "Dataloader starvation (an evaluation's batches, inside the training steps)"
+TITLE_EPOCH = "Dataloader starvation (each epoch's first batch)"
 TITLE_STALL = "Input stall outside the DataLoader (blocking host-to-device copies)"
 FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=True, "
        "prefetch_factor=2..4, persistent_workers=True); move decoding/augmentation off the "
@@ -36,6 +51,16 @@ FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=Tr
 EVAL_NAMED = 0.25
 """From this share of the worst rank's DataLoader wait in an evaluation's batches, the
 finding says so (and from half, leads its fix with the evaluation's loader)."""
+EPOCH_LEADS = 0.5
+"""From this share of the every-step record's DataLoader wait in iterators' first batches (over
+two epoch starts at least), the finding is about epoch starts: its fix leads with them."""
+MIN_RECORD_STEPS = 10
+"""Recorded steps, at the least, for the record's share to be read (a window is a few steps)."""
+FIX_EPOCH = ("Keep the DataLoader's prefetch running across epochs: iterate one iterator over every epoch "
+             "(a sampler that yields each epoch's indices in turn, reshuffled per epoch), or make an epoch's "
+             "first batch cheaper (cached or preprocessed samples, a smaller batch). A new iterator starts its "
+             "prefetch from nothing{restart} and one worker loads its first batch alone: more workers do not "
+             "shorten that wait{persist}.")
 FIX_STALL = ("Copy inputs asynchronously: pin_memory=True in the DataLoader and "
              "tensor.to(device, non_blocking=True); avoid pageable host tensors in the step.")
 
@@ -79,6 +104,56 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> RankInput:
         eval_ms = float(np.nan_to_num(last - first).mean()) / 1000
     return RankInput(wait_rows=tuple(int(i) for i in waits.index), h2d_exposed_ms=exposed_ms, h2d_rows=h2d_rows,
                      wait_ms=wait_ms, no_grad_wait_ms=no_grad_ms, evaluation_ms=eval_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochStarts:
+    """One rank's DataLoader wait over the probes' every-step record, and the part of it in
+    training iterators' first batches (an epoch's start)."""
+
+    rank: int
+    steps: int
+    """Steps recorded."""
+    starts: int
+    """... of them holding an iterator's first batch."""
+    wait_ms: float
+    """Mean DataLoader wait per recorded step."""
+    first_ms: float
+    """... of it in first batches."""
+    each_ms: float
+    """Median first-batch wait at an epoch start."""
+    step_ms: float
+    """Mean recorded step."""
+    window: tuple[int, int] | None
+    """(epoch starts, steps) among the profiled steps, where the trace's clock places them."""
+
+    @property
+    def share(self) -> float:
+        return self.first_ms / self.wait_ms if self.wait_ms > 0 else 0.0
+
+
+def epoch_starts(ctx: Context, rank: int) -> EpochStarts | None:
+    """`rank`'s EpochStarts (None: no every-step record of MIN_RECORD_STEPS, or a probe that
+    predates first batches' marking, whose record has none)."""
+    p = ctx.probes.get(rank)
+    if p is None or len(p.steps) < MIN_RECORD_STEPS or "first_batch_ms" not in p.steps:
+        return None
+    s = p.steps
+    first = s["first_batch_ms"].fillna(0.0).to_numpy(dtype=float)
+    wait = s["dataloader_ms"].fillna(0.0).to_numpy(dtype=float)
+    is_start = first > 0
+    if not is_start.any():
+        return None
+    window = None
+    trace = ctx.run.traces.get(rank)
+    span = absolute_span_us(trace) if trace is not None and trace.meta.get("baseTimeNanoseconds") else None
+    if span is not None:
+        inside = in_window(s, span)
+        if inside.any():
+            window = (int((inside & is_start).sum()), int(inside.sum()))
+    return EpochStarts(rank=rank, steps=len(s), starts=int(is_start.sum()), wait_ms=float(wait.mean()),
+                       first_ms=float(first.mean()), each_ms=float(np.median(first[is_start])),
+                       step_ms=float(s["dur_ms"].mean()), window=window)
 
 
 def _dataloader(ctx: Context, th: Thresholds) -> Check:
@@ -138,15 +213,42 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
                       + (f" (this run's evaluation loader: {_loader(eval_cfg)})" if eval_cfg else "") + ".")
         # mostly the evaluation's: the training loader's settings are beside the point
         fix = f"{evaluation} {FIX}" if eval_share >= 0.5 else f"{fix} {evaluation}"
+    title = TITLE_EVAL if eval_share >= 0.5 else TITLE
+    epoch = epoch_starts(ctx, worst) if eval_share < 0.5 else None
+    epoch_note = ""
+    if epoch is not None and epoch.starts >= 2 and epoch.share >= EPOCH_LEADS:
+        metrics.update({"every_step_dataloader_ms": round(epoch.wait_ms, 3),
+                        "every_step_first_batch_ms": round(epoch.first_ms, 3),
+                        "first_batch_share_of_wait": round(epoch.share, 4),
+                        "epoch_starts": epoch.starts, "first_batch_ms_each": round(epoch.each_ms, 3),
+                        "every_step_step_ms": round(epoch.step_ms, 3)})
+        title = TITLE_EPOCH
+        epoch_note = (f"; most of it is each epoch's first batch: over the run's {epoch.steps} recorded steps rank "
+                      f"{worst} waits {epoch.wait_ms:.1f} ms per step, {epoch.first_ms:.1f} of it ({epoch.share:.0%}) "
+                      f"at {epoch.starts} epoch starts of {epoch.each_ms:.0f} ms each")
+        if epoch.window is not None:
+            metrics["window_epoch_starts"], metrics["window_steps"] = epoch.window
+            epoch_note += (f" ({epoch.window[0]} of the {epoch.window[1]} profiled steps began an epoch, "
+                           f"{epoch.starts} of {epoch.steps} over the run)")
+        restart = persist = ""
+        if cfg.get("persistent_workers") is False and cfg.get("num_workers", 0):
+            restart = ", with new worker processes (persistent_workers=False here),"
+            persist = ", and persistent_workers=True saves the workers' start, not the batch's loading"
+        fix = FIX_EPOCH.format(restart=restart, persist=persist)
+        steady = epoch.wait_ms - epoch.first_ms
+        if epoch.step_ms > 0 and steady / epoch.step_ms >= th.input_bound:
+            fix += f" Within epochs it falls behind too, {steady:.1f} ms per step over the run. {FIX}"
+        if cfg:
+            fix += f" This run: {_loader(cfg)}."
     f = Finding(
-        id="dataloader_starvation", title=TITLE_EVAL if eval_share >= 0.5 else TITLE, severity=th.severity(share),
+        id="dataloader_starvation", title=title, severity=th.severity(share),
         recoverable_ms=round(ms, 3),
         share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=tuple(refs), fix=fix,
         confidence=confidence_for(ctx), method="Mean per-step DataLoader wait not hidden under device work "
         "(GPU) or blocking the training thread (CPU), on the worst rank.")
     level = "highly input-bound" if share >= th.input_bound_high else "input-bound"
     return flag_or_pass(f, th.input_bound, th, f"{level}: rank {worst} waits {ms:.1f} ms per step "
-                        f"({share:.0%}) for the next batch{eval_note}", ctx)
+                        f"({share:.0%}) for the next batch{eval_note}{epoch_note}", ctx)
 
 
 def _loader(cfg: dict) -> str:

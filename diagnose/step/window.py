@@ -109,6 +109,14 @@ def caution(w: dict) -> str:
     return "; ".join(parts)
 
 
+def in_window(steps, span: tuple[float, float]) -> np.ndarray:
+    """Which of a rank's step records (ProbeData.steps) lie inside its trace's span (absolute us,
+    ingest.assemble.absolute_span_us): its profiled steps."""
+    start = steps["start"].to_numpy(dtype=float) * 1e6
+    end = start + steps["dur_ms"].to_numpy(dtype=float) * 1e3
+    return (start >= span[0] - SLACK_US) & (end <= span[1] + SLACK_US)
+
+
 def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData]) -> WindowAgainstRun | None:
     """The profiled window against the rest of the run, where both are known (None otherwise:
     no every-step record, no absolute clock in the traces, too few steps outside the window)."""
@@ -125,9 +133,7 @@ def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData
             continue
         s = p.steps
         dur = job_step_ms(s)  # the device's step where timed, as the checks read it
-        start = s["start"].to_numpy(dtype=float) * 1e6
-        end = start + s["dur_ms"].to_numpy(dtype=float) * 1e3
-        inside = (start >= span[0] - SLACK_US) & (end <= span[1] + SLACK_US)
+        inside = in_window(s, span)
         ok = ~np.isnan(dur)
         w, o = dur[inside & ok], dur[~inside & ok]
         if not len(w) or len(o) < MIN_OTHERS:
