@@ -55,7 +55,7 @@ MUTATIONS = [
      "own = float(wait.max()) if len(wait) else 0.0", "uneven work's own estimate the longest wait, not the mean"),
     ("diagnose/analyzers/imbalance.py", "if top_share >= th.imbalance_same_rank:", "if False:",
      "uneven work flagged when one rank is slowest at every step"),
-    ("diagnose/analyzers/imbalance.py", "use_every = len(every) >= MIN_EVERY_STEPS", "use_every = False",
+    ("diagnose/analyzers/imbalance.py", "use_every = len(by_every) >= MIN_EVERY_STEPS", "use_every = False",
      "the every-step record never read for the turns"),
     ("diagnose/analyzers/imbalance.py", "key = max(extra, key=extra.get)", "key = min(extra, key=extra.get)",
      "the uneven part read from the smallest difference"),
@@ -63,6 +63,17 @@ MUTATIONS = [
      'ONLY_WHEN_FLAGGED = frozenset({"reduce_dtype"})', "every rank at the median in the clean step beside a named straggler"),
     ("diagnose/analyzers/launch.py", "np.minimum(fixed_cost, FIXED_MOST * floor))", "fixed_cost)",
      "CPU per-op overhead counting an op at its one size whole (work read as overhead)"),
+    # 2026-12-07 (DataLoader waits at epoch starts, analyzers/dataloader.py, probes/patches.py)
+    ("probes/patches.py", "self._first = mark is None", "self._first = True",
+     "an evaluation loader's first fetch marked as a training epoch's start"),
+    ("probes/patches.py", "first, self._first = self._first, False", "first = self._first",
+     "every fetch of a training iterator marked as its first"),
+    ("diagnose/analyzers/dataloader.py", "epoch.share >= EPOCH_LEADS:", "epoch.share >= 0.0:",
+     "epoch starts named whatever share of the wait they hold"),
+    ("diagnose/analyzers/dataloader.py", "first_ms=float(first.mean())", "first_ms=float(first.sum())",
+     "the first batches' wait per step summed over the run, not averaged"),
+    ("diagnose/analyzers/dataloader.py", "window = (int((inside & is_start).sum()), int(inside.sum()))",
+     "window = (int(is_start.sum()), int(inside.sum()))", "the window's epoch starts counted over the run"),
 ]
 
 

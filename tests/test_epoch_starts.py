@@ -76,6 +76,20 @@ def test_one_iterator_over_every_epoch_has_no_epoch_starts():
         assert p[r].steps["dur_ms"].mean() < before[r].steps["dur_ms"].mean() - before[r].steps["first_batch_ms"].mean() / 2
 
 
+def test_epoch_starts_that_hold_little_of_the_wait_leave_the_usual_finding():
+    """No workers: each batch loads in the training process, an epoch's first no slower than the
+    rest. The starts are marked, a quarter of the wait: the fix stays workers."""
+    no_workers = FIXTURES / "cpu_epoch_no_workers_2rank"
+    p = load_probe_data([no_workers])
+    for q in p.values():
+        s = q.steps
+        assert s.loc[s["first_batch_ms"] > 0, "step"].tolist() == [x for x in s["step"] if x % EPOCH_STEPS == 0]
+        assert s["first_batch_ms"].sum() / s["dataloader_ms"].sum() < EPOCH_LEADS
+    f = _finding(diagnose_paths([no_workers]))
+    assert f.title == TITLE and "epoch_starts" not in f.metrics
+    assert f.fix.startswith("Feed the step faster: DataLoader(num_workers=")
+
+
 @pytest.mark.parametrize("fixture", ["cpu_straggler_dataloader_2rank", "cpu_eval_in_loop_2rank"])
 def test_records_from_before_the_marking_say_nothing_of_epochs(fixture):
     d = diagnose_paths([FIXTURES / fixture])
