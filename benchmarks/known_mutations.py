@@ -19,6 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+MAPPED = ("probes", "reports", "examples")
+"""Folders installed as diagnose.<name> (pyproject's package-dir)."""
+
 # (file, text, replacement, what it breaks)
 MUTATIONS = [
     ("diagnose/analyzers/launch.py", 'return HostBound(ms=m.class_ms("launch")',
@@ -97,6 +100,10 @@ def main() -> int:
                 survived += 1
                 continue
             target.write_text(text.replace(old, new))
+            for name in MAPPED:
+                # the editable install maps diagnose.probes (.reports, .examples) to the repository's
+                # own folders: without these links the copy's tests imported the unmutated ones
+                (copy / "diagnose" / name).symlink_to(Path("..") / name, target_is_directory=True)
             # the copy's packages first: its `diagnose` is the one imported by the tests
             res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                   "-m", "not e2e and not browser", *args.tests], cwd=copy, capture_output=True,
