@@ -77,6 +77,15 @@ MUTATIONS = [
      "the first batches' wait per step summed over the run, not averaged"),
     ("diagnose/analyzers/dataloader.py", "window = (int((inside & is_start).sum()), int(inside.sum()))",
      "window = (int(is_start.sum()), int(inside.sum()))", "the window's epoch starts counted over the run"),
+    # 2026-12-07 (Python garbage collection pauses, analyzers/gc_pause.py, probes/patches._gc)
+    ("diagnose/analyzers/gc_pause.py", "per_step = float(full_ms.max(axis=1).mean())",
+     "per_step = float(all_ms.max(axis=1).mean())", "the young generations' collections counted as recoverable"),
+    ("diagnose/analyzers/gc_pause.py", "per_step = float(full_ms.max(axis=1).mean())",
+     "per_step = float(full_ms.sum(axis=1).mean())", "ranks pausing at the same step counted one after the other"),
+    ("probes/core.py", "        if generation >= 2:\n            self._gc_full += 1",
+     "        if generation >= 1:\n            self._gc_full += 1", "a middle generation's collection counted as a full pass"),
+    ("diagnose/analyzers/gc_pause.py", "alone = int(((full > 0).sum(axis=1) == 1).sum())",
+     "alone = int(((full > 0).sum(axis=1) >= 1).sum())", "ranks collecting together said to collect alone"),
 ]
 
 

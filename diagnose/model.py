@@ -22,6 +22,7 @@ FindingId = Literal[
     "pipeline_bubble",
     "checkpoint_io",
     "host_sync",
+    "gc_pause",
     "grad_sync",
     "reduce_dtype",
     "fail_slow",
@@ -44,6 +45,7 @@ CHECK_ORDER: tuple[str, ...] = (
     "pipeline_bubble",
     "checkpoint_io",
     "host_sync",
+    "gc_pause",
     # configuration mistakes behind the causes above
     "grad_sync",
     "reduce_dtype",

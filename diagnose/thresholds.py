@@ -173,6 +173,11 @@ class Thresholds:
     disagree by that much (causality); past it, gaps near that size can be misfiled between the
     queued and host-launch classes (gaps that matter for a finding are tens of us and up)."""
 
+    gc_pause: float = 0.05
+    """Flag Python's garbage collection pauses from 5% of the step over the run: the floor asked of
+    other waits the whole job sits through (input, a straggler's), a pause on one rank being a wait
+    for every other."""
+
     healthy_floor_ms: float = 0.05
     """Ignore causes under 50 us per step: below timer and alignment noise."""
 

@@ -39,6 +39,10 @@ Pathology flags (all off by default: a healthy run):
   --uneven-ms MS            each step each rank computes a random 0..MS ms more (few, large matrix
                             products; drawn anew per rank and step from a seed): batches of uneven
                             size, as varying sequence lengths give; no rank slow on average
+  --epoch-steps K           epochs of K steps, a new DataLoader iterator each: with --num-workers and
+                            --slow-getitem-ms, each epoch's first batch waits for one worker to load
+                            it whole (--persistent-workers keeps the processes, not a batch ready);
+                            --sampler-spans-epochs, one iterator over every epoch, is the fix
 
 A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --slow-rank R (-1: all):
   --slow-compute-ms MS      MS of extra compute per step (real CPU work, as a throttled device adds)
@@ -213,6 +217,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--uneven-ms", type=float, default=0.0,
                    help="each step each rank computes a random extra 0..MS ms (drawn per rank and step): "
                         "uneven batches, no rank slow on average")
+    p.add_argument("--gc-heap", type=int, default=0,
+                   help="hold this many long-lived Python objects (a dataset's per-sample records)")
+    p.add_argument("--gc-churn", type=int, default=0,
+                   help="each step each rank makes about this many objects in reference cycles that live a "
+                        "few steps (its count drawn per rank and step): the collector's full passes come at "
+                        "each rank's own steps")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() once the long-lived objects exist (a fix)")
+    p.add_argument("--gc-every", type=int, default=0,
+                   help="gc.disable(), and gc.collect() every this many steps on every rank at once (a fix)")
     p.add_argument("--epoch-steps", type=int, default=0,
                    help="epochs of this many steps: the loader's iterator is made anew at each epoch's start "
                         "(0: one epoch as long as the run)")
@@ -297,6 +311,38 @@ def uneven_extra_ms(rank: int, step: int, micro: int, most_ms: float) -> float:
     """--uneven-ms: the extra work of this rank's micro-batch at this step (sequence lengths that
     vary by batch), drawn anew per rank and step from a seed, so that a test knows what was injected."""
     return random.Random(rank * 1_000_003 + step * 31 + micro).uniform(0.0, most_ms)
+
+
+class Garbage:
+    """--gc-heap / --gc-churn: Python objects as a real job holds them (a dataset's index of
+    per-sample records, caches and histories kept for a few steps). The collector's full passes
+    walk every tracked object: with a large long-lived heap each one pauses the rank for as long,
+    at steps the allocations decide (so each rank at its own steps)."""
+
+    def __init__(self, rank: int, heap: int, churn: int, freeze: bool, every: int = 0) -> None:
+        import collections
+        import gc
+
+        self.rank, self.churn, self.every = rank, churn, every
+        self.heap = [{"i": i, "path": [i]} for i in range(heap)]  # long-lived: walked by every full pass
+        self.recent = collections.deque(maxlen=8)  # survives a few steps: promoted, then dropped
+        if freeze:
+            gc.freeze()  # a fix: what exists now is out of the collector's reach
+        if every:
+            gc.disable()  # a fix: collections only where every rank makes them, at the same step
+
+    def step(self, step: int) -> None:
+        n = int(self.churn * random.Random(self.rank * 7919 + step).uniform(0.5, 1.5))
+        batch = []
+        for i in range(n):
+            a = {"step": step}
+            a["self"] = [a, i]  # a reference cycle: only the collector frees it
+            batch.append(a)
+        self.recent.append(batch)
+        if self.every and step % self.every == 0:
+            import gc
+
+            gc.collect()
 
 
 def _matmuls(ms: float) -> None:
@@ -405,6 +451,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         )
         prof.start()
 
+    garbage = (Garbage(rank, args.gc_heap, args.gc_churn, args.gc_freeze, args.gc_every)
+               if args.gc_heap or args.gc_churn else None)
     loss_fn = nn.MSELoss()
     step = 0
     step_times: list[float] = []
@@ -458,6 +506,8 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
                 loss.backward()
         if ran_out:
             break
+        if garbage is not None:
+            garbage.step(step)
         if fault and args.slow_compute_ms:
             _busy(args.slow_compute_ms)
         for opt in opts:

@@ -126,6 +126,14 @@ class StepRecord:
     first_batch_ms: float = 0.0
     """Of dataloader_ms, the wait for a training iterator's first batch (an epoch's start); written
     only when non-zero."""
+    gc_ms: float = 0.0
+    """Time in Python's garbage collections during the step (the training process stopped);
+    written only when non-zero, with gc_full."""
+    gc_full: int = 0
+    """... of them full passes (generation 2), which walk every tracked object; written only
+    when non-zero, with gc_full_ms."""
+    gc_full_ms: float = 0.0
+    """Time in those full passes."""
     collectives: list = field(default_factory=list)
     """[name, arrival offset ms from step start, duration ms, bytes, group] per collective."""
     spans: list = field(default_factory=list)
@@ -170,6 +178,9 @@ class Probe:
         self._wall0 = time.time()
         self._dl_ms = 0.0
         self._dl_first_ms = 0.0
+        self._gc_ms = 0.0
+        self._gc_full = 0
+        self._gc_full_ms = 0.0
         self._comm_ms = 0.0
         self._colls: list = []
         self._spans: list = []
@@ -250,6 +261,13 @@ class Probe:
         if first:
             self._dl_first_ms += seconds * 1000.0
 
+    def on_gc(self, seconds: float, generation: int) -> None:
+        """One garbage collection of `generation` (2: a full pass), from gc.callbacks."""
+        self._gc_ms += seconds * 1000.0
+        if generation >= 2:
+            self._gc_full += 1
+            self._gc_full_ms += seconds * 1000.0
+
     def on_collective(self, name: str, start: float, end: float, nbytes: int, group: str) -> None:
         """start/end are time.perf_counter() values; end may be the enqueue time of an async op."""
         try:
@@ -311,7 +329,8 @@ class Probe:
                 comm = min(_in_flight_ms(self._colls) + self._comm_ms, dur_ms)
                 rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round(dur_ms, 4),
                                  dataloader_ms=round(self._dl_ms, 4), comm_ms=round(comm, 4),
-                                 first_batch_ms=round(self._dl_first_ms, 4),
+                                 first_batch_ms=round(self._dl_first_ms, 4), gc_ms=round(self._gc_ms, 4),
+                                 gc_full=self._gc_full, gc_full_ms=round(self._gc_full_ms, 4),
                                  collectives=self._colls, spans=self._spans, device=device)
                 self._colls = []
                 self._spans = []
@@ -336,6 +355,9 @@ class Probe:
         self._poll_capture()
         self._dl_ms = 0.0
         self._dl_first_ms = 0.0
+        self._gc_ms = 0.0
+        self._gc_full = 0
+        self._gc_full_ms = 0.0
         self._comm_ms = 0.0
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
@@ -500,6 +522,8 @@ class Probe:
         self._write_line({"step": rec.step, "start": rec.start, "dur_ms": rec.dur_ms, "dataloader_ms":
                           rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
                           **({"first_batch_ms": rec.first_batch_ms} if rec.first_batch_ms else {}),
+                          **({"gc_ms": rec.gc_ms} if rec.gc_ms else {}),
+                          **({"gc_full": rec.gc_full, "gc_full_ms": rec.gc_full_ms} if rec.gc_full else {}),
                           **({"spans": rec.spans} if rec.spans else {}),
                           **({"device_ms": rec.device} if rec.device else {})})
 
@@ -515,6 +539,10 @@ class Probe:
         if d is None or not self.ok("sidecar"):
             return
         try:
+            if isinstance(self.meta.get("gc"), dict):  # as the script left it: frozen or disabled after setup
+                import gc
+
+                self.meta["gc"].update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())
             body = {"format": "diagnose-probe/1", "rank": self.rank, "world_size": self.world_size,
                     "final": final, "schedule": {"wait": self.schedule.wait, "warmup": self.schedule.warmup,
                                                  "active": self.schedule.active, "repeat": self.schedule.repeat,

@@ -142,7 +142,7 @@ class _TimedIter:
 def install(probe: Probe) -> list:
     """Install all hooks; returns undo callables. Each part fails on its own."""
     undo: list = []
-    for part in (_job_profiler, _dataloader, _optimizer, _collectives, _ddp, _memory, _checkpoint):
+    for part in (_job_profiler, _dataloader, _optimizer, _collectives, _ddp, _memory, _checkpoint, _gc):
         try:
             u = part(probe)
             if u:
@@ -449,6 +449,37 @@ def _memory(probe: Probe):
     from . import memory_hook
 
     return memory_hook.install(probe)
+
+
+def _gc(probe: Probe):
+    """Time Python's garbage collections (gc.callbacks): a full pass walks every tracked object and
+    stops the training thread meanwhile, at steps each rank's allocations decide, while the other
+    ranks wait at the next collective. The collector's settings go in the metadata."""
+    import gc
+
+    state: list[float] = []
+
+    def timed(phase, info):
+        try:
+            if phase == "start":
+                state[:] = [time.perf_counter()]
+            elif state:
+                probe.on_gc(time.perf_counter() - state.pop(), int(info.get("generation", 0)))
+        except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
+            probe._fail("gc timing", exc)
+
+    if any(getattr(cb, _MARK, False) for cb in gc.callbacks):
+        return None
+    setattr(timed, _MARK, True)
+    probe.meta["gc"] = {"timed": True, "enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
+                        "frozen": gc.get_freeze_count()}
+    gc.callbacks.append(timed)
+
+    def undo():
+        if timed in gc.callbacks:
+            gc.callbacks.remove(timed)
+
+    return undo
 
 
 def _checkpoint(probe: Probe):

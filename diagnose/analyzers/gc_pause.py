@@ -1,0 +1,122 @@
+"""Python garbage collection pauses: the training process stopped while the collector runs.
+
+A full pass (generation 2) walks every object Python tracks: with a large long-lived heap (a
+dataset's per-sample records as dicts, caches) each one stops a rank for hundreds of ms, at the
+steps that rank's own allocations decide, while the other ranks wait for it at the next
+collective. A few such steps in a run are invisible in a profiled window of five steps, and
+when one is caught it reads as a straggler or host gaps (measured: `examples/train_ddp.py
+--gc-heap 1000000 --gc-churn 20000`, full passes of 330-420 ms at steps 11, 12 and 27 of 39, the
+run's mean step 138 ms against a median 108: the tool said "no significant cause found").
+
+Measured from the probes' every-step record (probes/patches._gc times every collection with
+gc.callbacks), not from the profiled steps: like fail_slow and checkpoint_io, the pauses fall
+where they fall. What the fix takes away is the full passes (gc.freeze() leaves the young
+generations' frequent short collections as they are: they are reported, not counted). Per step
+the job waits for the rank whose full passes took longest (ranks pausing at the same step pause
+together), so the cost is the mean over the recorded steps of that longest full-pass time; two
+ranks pausing at the same wall time but in steps they number differently would be counted twice
+(an upper bound). The record's own step times corroborate it (the run's mean step against its
+median). On a device with queued work a host pause costs less than its length: there too the
+figure is an upper bound, and confidence is medium.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from diagnose.analyzers.common import flag_or_pass, not_measurable
+from diagnose.context import Context
+from diagnose.model import Check, Finding
+from diagnose.probedata import job_step_ms
+from diagnose.thresholds import Thresholds
+from diagnose.units import rank_ranges
+
+ID = "gc_pause"
+TITLE = "Python garbage collection pauses"
+FIX = ("Keep the collector's full passes out of the steps: call gc.freeze() once the model, optimizer and "
+       "dataset are built (what exists then is never walked again), and/or gc.disable() in the training loop "
+       "with gc.collect() every N steps at the same step on every rank (torchtitan's gc_freq, Megatron-LM's "
+       "--manual-gc), so the ranks pause together rather than one at a time while the others wait. Fewer "
+       "Python objects (per-sample records in numpy arrays or Arrow tables, not dicts) make each pass shorter.")
+MIN_STEPS = 10
+"""Recorded steps, at the least: a pause every few dozen steps needs a run, not a window."""
+
+
+def _collections(ctx: Context) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
+    """gc_ms, gc_full, gc_full_ms and the job's step as step x rank tables over the ranks whose
+    probes timed collections; None where no rank did."""
+    timed = {r: p.steps for r, p in ctx.probes.items()
+             if isinstance(p.meta.get("gc"), dict) and p.meta["gc"].get("timed") and not p.steps.empty}
+    if not timed:
+        return None
+    frame = pd.concat([s[["step", "gc_ms", "gc_full", "gc_full_ms"]].assign(rank=r, job_ms=job_step_ms(s))
+                       for r, s in timed.items()], ignore_index=True)
+    frame = frame.drop_duplicates(["step", "rank"], keep="last")
+    return tuple(frame.pivot(index="step", columns="rank", values=c).fillna(0.0 if c != "job_ms" else np.nan)
+                 for c in ("gc_ms", "gc_full", "gc_full_ms", "job_ms"))
+
+
+def analyze(ctx: Context, th: Thresholds) -> list[Check]:
+    got = _collections(ctx)
+    if got is None:
+        return [not_measurable(ID, TITLE, "no probe timed Python's garbage collections (`diagnose run` or the probes' "
+                                          "API time them on every step)")]
+    all_ms, full, full_ms, job = got
+    if len(all_ms) < MIN_STEPS:
+        return [not_measurable(ID, TITLE, f"{len(all_ms)} steps recorded: pauses that come every few dozen steps need "
+                                          f"{MIN_STEPS} or more")]
+    per_step = float(full_ms.max(axis=1).mean())  # the job waits for the rank whose full passes took longest
+    young = float((all_ms - full_ms).clip(lower=0).mean(axis=0).max())
+    steps = job.to_numpy(dtype=float)
+    step_ms = float(np.nanmean(steps))
+    beyond = float(np.nanmedian(np.nanmean(steps, axis=0) - np.nanmedian(steps, axis=0)))  # over ranks
+    share = per_step / step_ms if step_ms > 0 else 0.0
+    passes = full.sum(axis=0)
+    with_full = full.index[(full > 0).any(axis=1)]
+    worst_rank = int(full_ms.max(axis=0).idxmax())
+    worst_step = int(full_ms[worst_rank].idxmax())
+    longest = float(full_ms[worst_rank].max())
+    ranks = tuple(int(r) for r in passes.index[passes > 0]) or (worst_rank,)
+    alone = int(((full > 0).sum(axis=1) == 1).sum()) if full.shape[1] > 1 else 0
+    metrics: dict[str, float | int | str] = {
+        "full_pass_ms_per_step": round(per_step, 3),
+        "share_of_step": round(share, 4),
+        "young_gc_ms_per_step": round(young, 3),
+        "every_step_steps": int(len(all_ms)),
+        "every_step_step_ms": round(step_ms, 3),
+        "mean_beyond_median_step_ms": round(beyond, 3),
+        "full_passes": int(passes.sum()),
+        "steps_with_a_full_pass": int(len(with_full)),
+        "steps_one_rank_alone": alone,
+        "longest_pause_ms": round(longest, 3),
+        "longest_pause_rank": worst_rank,
+        "longest_pause_step": worst_step,
+    }
+    for r in all_ms.columns:
+        metrics[f"rank{int(r)}_full_pass_ms_per_step"] = round(float(full_ms[r].mean()), 3)
+        metrics[f"rank{int(r)}_full_passes"] = int(passes[r])
+    cfg = next((p.meta["gc"] for _, p in sorted(ctx.probes.items()) if isinstance(p.meta.get("gc"), dict)), {})
+    fix = FIX
+    together = full.shape[1] > 1 and len(with_full) > 0 and alone == 0
+    if cfg:
+        fix += (f" This run: thresholds {tuple(cfg.get('threshold', ()))}, {cfg.get('frozen', 0)} objects frozen"
+                f"{', the collector disabled (collections by hand)' if cfg.get('enabled') is False else ''}"
+                f"{'; its ranks already collect at the same steps: collect less often, or make fewer reference cycles' if together else ''}.")
+    on_device = ctx.run.is_gpu
+    f = Finding(
+        id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(per_step, 3),
+        share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=(), fix=fix,
+        confidence="medium" if on_device else "high",
+        method="Mean over the probes' every-step record of the longest time any rank spent in Python's full "
+               "garbage collections at that step (gc.callbacks)" + (": an upper bound where the device has work "
+                                                                     "queued" if on_device else "."))
+    if not len(with_full):
+        return [flag_or_pass(f, th.gc_pause, th, "", ctx)]
+    where = (f"at {alone} of the {len(with_full)} steps with one, one rank collected alone while the others waited"
+             if alone else f"every rank collected at the same {len(with_full)} step(s)" if together
+             else f"{len(with_full)} step(s) with one")
+    reason = (f"full garbage collections stop the training process {per_step:.1f} ms per step over the run's "
+              f"{len(all_ms)} recorded steps ({share:.0%}): {int(passes.sum())} on rank(s) {rank_ranges(ranks)}, the "
+              f"longest {longest:.0f} ms (rank {worst_rank}, step {worst_step}); {where}; the run's mean step is "
+              f"{beyond:.1f} ms above its median (young collections, not counted: {young:.1f} ms per step)")
+    return [flag_or_pass(f, th.gc_pause, th, reason, ctx)]
