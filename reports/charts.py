@@ -65,11 +65,13 @@ FINDING_METRIC = {
     "dataloader_starvation": "dataloader_ms",
     "exposed_communication": "exposed_comm_ms",
     "straggler": "mean_lateness_ms",
+    "gc_pause": "full_pass_ms_per_step",
 }
 METRIC_TITLE = {
     "dataloader_ms": "DataLoader wait per step, per rank (ms)",
     "exposed_comm_ms": "Exposed communication per step, per rank (ms)",
     "mean_lateness_ms": "Mean arrival lateness at collectives vs the median rank, per rank (ms)",
+    "full_pass_ms_per_step": "Full garbage collections per step over the run, per rank (ms)",
 }
 _RANK_KEY = re.compile(r"^rank(\d+)_(.+)$")
 

@@ -59,6 +59,18 @@ def test_full_passes_that_stop_one_rank_at_a_time_rank_first():
     assert "0 objects frozen" in f.fix
 
 
+def test_the_report_draws_each_ranks_full_passes():
+    from diagnose.reports.charts import finding_charts
+
+    d = diagnose_paths([PAUSES])
+    f = d.findings[0]
+    figs = finding_charts({"id": f.id, "ranks": list(f.ranks), "metrics": f.metrics}, [], {})
+    bars = figs[0]
+    assert "Full garbage collections per step" in str(bars["layout"]["title"])
+    drawn = {x: y for t in bars["data"] for x, y in zip(t["x"], t["y"])}
+    assert drawn == {f"rank {r} (flagged)": f.metrics[f"rank{r}_full_pass_ms_per_step"] for r in (0, 1)}
+
+
 def test_the_fixed_twin_collects_on_every_rank_at_once_and_says_so():
     d = diagnose_paths([EVERY])
     c = _check(d)
