@@ -55,6 +55,13 @@ def test_injected_cause_ranks_first(tmp_path, pathology, top, ranks, nproc):
     assert (run_dir(tmp_path) / "report.html").exists()
     sidecars = sorted(p.name for p in (run_dir(tmp_path) / "traces").glob("rank*.probe.json"))
     assert sidecars == [f"rank{r}.probe.json" for r in range(nproc)]
+    # the launcher's hooks time garbage collections (gc_pause reads them over the run) and mark
+    # the training iterator's first fetch (step 0 here: one epoch)
+    meta = json.loads((run_dir(tmp_path) / "traces" / "rank0.probe.json").read_text())["meta"]
+    assert meta["gc"]["timed"] is True
+    assert next(c for c in d["checks"] if c["id"] == "gc_pause")["status"] != "not_measurable"
+    first = json.loads((run_dir(tmp_path) / "traces" / "rank0.steps.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and 0 < first.get("first_batch_ms", 0) <= first["dataloader_ms"], first
 
 
 def test_accumulation_without_no_sync_is_named(tmp_path):
