@@ -84,6 +84,34 @@ def test_the_fixed_twin_collects_on_every_rank_at_once_and_says_so():
     assert "already collect at the same steps" in c.finding.fix and "the collector disabled" in c.finding.fix
 
 
+def test_full_passes_inside_the_profiled_steps_are_named_beside_the_verdict():
+    """The window's figures carry a collection as whatever the process was doing when it began:
+    the caution says which ran there (the fixture's README: the checks still carry them)."""
+    from diagnose.output import terminal_summary
+    from diagnose.probedata import load_probe_data
+    from diagnose.step.window import in_window
+    from diagnose.ingest.assemble import absolute_span_us
+    from diagnose.ingest.assemble import load_run
+
+    fixture = FIXTURES / "cpu_gc_in_window_2rank"
+    d = diagnose_paths([fixture])
+    w = d.extras["window"]
+    assert "collections" in w["kinds"] and w["unlike"]
+    # against the record and the traces' own clock: the full passes whose steps lie in each trace
+    run = load_run([fixture])
+    inside = []
+    for r, p in load_probe_data([fixture]).items():
+        s = p.steps
+        mask = in_window(s, absolute_span_us(run.traces[r])) & (s["gc_full_ms"] > 0).to_numpy()
+        inside += [[r, int(st), round(float(ms), 3)] for st, ms in zip(s["step"][mask], s["gc_full_ms"][mask])]
+    assert sorted(w["collections"]) == sorted(inside) == [[0, 12, 295.951], [1, 11, 292.428]]
+    assert "full garbage collections ran inside the profiled steps (rank 0 at step 12: 296 ms; rank 1 at step " \
+           "11: 292 ms)" in terminal_summary(d)
+    assert any(f.id == ID for f in d.findings)
+    # a window without any says nothing of them
+    assert "collections" not in diagnose_paths([PAUSES]).extras["window"]["kinds"]
+
+
 @pytest.mark.parametrize("fixture", ["cpu_straggler_2rank", "cpu_epoch_starts_2rank"])
 def test_records_from_probes_that_timed_no_collections_are_not_measured(fixture):
     c = _check(diagnose_paths([FIXTURES / fixture]))

@@ -16,7 +16,12 @@ Two ways a window is unlike the run, told apart because their remedies differ (b
   the profiler's own cost, which on short steps is large (measured here: a 4.3 ms CPU step took
   8.5 ms profiled, `examples/train_ddp.py --pathology tiny-batch`): then the trace's per-op
   figures carry that cost too.
-Either beyond WINDOW_UNLIKE_RUN is said beside the verdict.
+- `collections`: Python's full garbage collections ran inside the window (the probes time them):
+  each stopped its rank for hundreds of ms and reads, in the window's figures, as whatever the
+  process was doing when it began (a DataLoader fetch, a collective, host gaps). The gc_pause
+  check sizes them over the run; the caution names them so that the window's other figures are
+  read knowing it.
+Either beyond WINDOW_UNLIKE_RUN (collections: GC_IN_WINDOW) is said beside the verdict.
 """
 from __future__ import annotations
 
@@ -32,6 +37,9 @@ WINDOW_UNLIKE_RUN = 0.25
 """The window's mean (or median) step this much above or below the run's: said beside the verdict."""
 MIN_OTHERS = 10
 """Steps recorded outside the window, at the least, for the run to be set against it."""
+GC_IN_WINDOW = 0.05
+"""Full collections inside the window taking this share of its mean step (the gc_pause check's
+floor, Thresholds.gc_pause): said beside the verdict."""
 SLACK_US = 1000.0
 """A step record lies in the window when it starts and ends within this of the trace's span."""
 
@@ -52,6 +60,10 @@ class WindowAgainstRun:
     run_steps: int
     """Steps recorded outside the window (the rank with the most)."""
     ranks: int
+    collections: tuple[tuple[int, int, float], ...] = ()
+    """(rank, step, ms) of each full garbage collection inside the window, the longest first."""
+    collections_ms_per_step: float = 0.0
+    """Their time per profiled step, on the rank with the most."""
 
     @property
     def ratio(self) -> float:
@@ -70,6 +82,8 @@ class WindowAgainstRun:
             out.append("shifted")
         if abs(self.ratio / self.median_ratio - 1.0) > WINDOW_UNLIKE_RUN:
             out.append("outliers")
+        if self.collections_ms_per_step >= GC_IN_WINDOW * self.window_step_ms > 0:
+            out.append("collections")
         return tuple(out)
 
     @property
@@ -85,7 +99,9 @@ class WindowAgainstRun:
                 "window_steps": list(self.window_steps), "slowest_step": self.slowest_step,
                 "slowest_ms": round(self.slowest_ms, 3), "run_steps": self.run_steps, "ranks": self.ranks,
                 "ratio": round(self.ratio, 4), "median_ratio": round(self.median_ratio, 4),
-                "kinds": list(self.kinds), "unlike": self.unlike}
+                "kinds": list(self.kinds), "unlike": self.unlike,
+                "collections": [[r, s, round(ms, 3)] for r, s, ms in self.collections[:6]],
+                "collections_ms_per_step": round(self.collections_ms_per_step, 3)}
 
 
 def caution(w: dict) -> str:
@@ -106,6 +122,11 @@ def caution(w: dict) -> str:
                      f"(the window's mean {w['window_step_ms']:.1f} ms a step, {w['ratio']:.2f}x the run's "
                      f"{w['run_step_ms']:.1f}): the figures, means over the window, carry it; profile at a typical "
                      "time (--schedule WAIT,WARMUP,ACTIVE, or `diagnose capture` on the running job) to see the run's")
+    if "collections" in kinds:
+        each = "; ".join(f"rank {r} at step {s}: {ms:.0f} ms" for r, s, ms in w.get("collections", [])[:3])
+        parts.append(f"full garbage collections ran inside the profiled steps ({each}): the window's figures carry "
+                     "them as whatever the process was doing when each began (a DataLoader fetch, a collective, host "
+                     "gaps); the gc_pause check sizes them over the run")
     return "; ".join(parts)
 
 
@@ -122,6 +143,8 @@ def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData
     no every-step record, no absolute clock in the traces, too few steps outside the window)."""
     means, medians, run_means, run_medians, first, last, far = [], [], [], [], [], [], []
     others = 0
+    collections: list[tuple[int, int, float]] = []
+    gc_per_step = 0.0
     for r, t in traces.items():
         p = probes.get(r)
         span = absolute_span_us(t)
@@ -148,10 +171,16 @@ def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData
         k = int(np.argmax(np.abs(w - run_medians[-1])))
         far.append((abs(float(w[k]) - run_medians[-1]), int(steps[k]), float(w[k])))
         others = max(others, len(o))
+        if "gc_full_ms" in s:
+            full = s["gc_full_ms"].fillna(0.0).to_numpy(dtype=float)[inside & ok]
+            collections += [(int(r), int(st), float(ms)) for st, ms in zip(steps, full) if ms > 0]
+            gc_per_step = max(gc_per_step, float(full.sum()) / len(w))
     if not means or float(np.median(run_means)) <= 0 or float(np.median(run_medians)) <= 0:
         return None
     _, step, ms = max(far)
     return WindowAgainstRun(window_step_ms=float(np.median(means)), run_step_ms=float(np.median(run_means)),
                             window_median_ms=float(np.median(medians)), run_median_ms=float(np.median(run_medians)),
                             window_steps=(min(first), max(last)), slowest_step=step, slowest_ms=ms,
-                            run_steps=others, ranks=len(means))
+                            run_steps=others, ranks=len(means),
+                            collections=tuple(sorted(collections, key=lambda c: -c[2])),
+                            collections_ms_per_step=gc_per_step)
