@@ -86,6 +86,35 @@ def telemetry_cost_us(n: int = 2000) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
+def gc_callback_cost_us(n: int = 20000) -> tuple[float, float]:
+    """(bare, with the probes' callback) microseconds per generation-0 collection, the probes'
+    gc.callbacks entry (probes/patches._gc, which returns at once for generation 0) off and on,
+    alternating blocks in this process: what it adds to each of the collections a job makes
+    anyway, the most frequent kind (every few hundred allocations)."""
+    import gc
+    import time
+
+    from diagnose.probes import patches
+    from diagnose.probes.core import Probe, Schedule
+
+    def per_collection() -> float:
+        t = time.perf_counter()
+        for _ in range(n // 10):
+            gc.collect(0)
+        return (time.perf_counter() - t) / (n // 10) * 1e6
+
+    with tempfile.TemporaryDirectory() as d:
+        probe = Probe(d, 0, 1, Schedule(enabled=False))
+        bare, timed = [], []
+        for _ in range(10):
+            bare.append(per_collection())
+            undo = patches._gc(probe)
+            timed.append(per_collection())
+            undo()
+        probe.close()
+    return statistics.median(bare), statistics.median(timed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -115,6 +144,9 @@ def main() -> None:
     tel = telemetry_cost_us()
     print(f"telemetry: {tel:.1f} us per sample, one per {INTERVAL_S:.0f} s = {tel / 1e6 / INTERVAL_S:.4%} of the time "
           "(off the training thread)")
+    gc_bare, gc_timed = gc_callback_cost_us()
+    print(f"a generation-0 garbage collection: {gc_bare:.2f} us bare, {gc_timed:.2f} us with the probes' callback "
+          f"(+{gc_timed - gc_bare:.2f} us)")
     print("\nstep-time ratio, probed / bare (median of pairs)")
     print(f"  light mode (no profiler):         x{statistics.median(light):.3f}")
     print(f"  outside profiled windows:         x{statistics.median(out_r):.3f}")

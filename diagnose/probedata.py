@@ -56,8 +56,8 @@ class ProbeData:
     """step, start (epoch s), dur_ms (the host's), dataloader_ms, first_batch_ms (of it, the wait
     for a training iterator's first batch: an epoch's start; 0 where none, or the probe predates
     it), comm_ms, device_ms (the step as the device ran it, CUDA ranks; NaN where not timed),
-    gc_ms, gc_full and gc_full_ms (time in Python's garbage collections, how many were full
-    passes and their time; 0 where none, or the probe predates their timing: its metadata's `gc`
+    gc_ms, gc_full and gc_full_ms (time in Python's garbage collections of generations 1 and 2,
+    how many were full passes and their time; 0 where none, or the probe predates their timing: its metadata's `gc`
     says it timed them);
     warm-up step 0 excluded."""
     collectives: pd.DataFrame

@@ -127,8 +127,8 @@ class StepRecord:
     """Of dataloader_ms, the wait for a training iterator's first batch (an epoch's start); written
     only when non-zero."""
     gc_ms: float = 0.0
-    """Time in Python's garbage collections during the step (the training process stopped);
-    written only when non-zero, with gc_full."""
+    """Time in Python's garbage collections of generations 1 and 2 during the step (the training
+    process stopped; generation 0's, microseconds each, are not timed); written only when non-zero."""
     gc_full: int = 0
     """... of them full passes (generation 2), which walk every tracked object; written only
     when non-zero, with gc_full_ms."""

@@ -10,8 +10,9 @@ run's mean step 138 ms against a median 108: the tool said "no significant cause
 
 Measured from the probes' every-step record (probes/patches._gc times every collection with
 gc.callbacks), not from the profiled steps: like fail_slow and checkpoint_io, the pauses fall
-where they fall. What the fix takes away is the full passes (gc.freeze() leaves the young
-generations' frequent short collections as they are: they are reported, not counted). Per step
+where they fall. What the fix takes away is the full passes (gc.freeze() leaves the younger
+generations' frequent short collections as they are: generation 1's are reported, not counted;
+generation 0's are not timed, the probes' callback returning at once for them). Per step
 the job waits for the rank whose full passes took longest (ranks pausing at the same step pause
 together), so the cost is the mean over the recorded steps of that longest full-pass time; two
 ranks pausing at the same wall time but in steps they number differently would be counted twice
