@@ -114,11 +114,26 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     give_back_freed()
     if replayed is not None:
         findings, checks, extras["replay"] = replayed
+    if window is not None and "collections" in window.kinds:
+        findings, checks = _window_collected(findings, checks)
     if not findings and (waited := unnamed_wait(table, th.straggler)) is not None:
         extras["unnamed_wait"] = waited
     return Diagnosis(run=facts, checks=tuple(checks), findings=tuple(findings),
                      breakdown=BreakdownRows(table), warnings=tuple(run.warnings + warnings),
                      skipped=tuple(run.skipped), extras=extras)
+
+
+OVER_THE_RUN = frozenset({"gc_pause", "fail_slow", "checkpoint_io"})
+"""Findings measured over the probes' every-step record, not over the profiled steps."""
+
+
+def _window_collected(findings: list[Finding], checks: list[Check]) -> tuple[list[Finding], list[Check]]:
+    """Full garbage collections ran inside the profiled steps (step/window.py): every figure
+    measured there carries them as whatever the process was doing when each began, so those
+    findings' confidence is low (the caution beside the verdict says why)."""
+    low = {f.id: replace(f, confidence="low") for f in findings if f.id not in OVER_THE_RUN}
+    out = [low.get(f.id, f) for f in findings]
+    return out, [replace(c, finding=low[c.id]) if c.finding is not None and c.id in low else c for c in checks]
 
 
 def _ranked(findings) -> list[Finding]:

@@ -44,7 +44,7 @@ BATCH_LINES = 4096
 MAX_TELEMETRY_LINES = 100_000
 """Host and device samples kept per rank, the newest (2 days at the probes' one per 2 s)."""
 STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "first_batch_ms", "comm_ms", "device_ms", "gc_ms",
-                "gc_full", "gc_full_ms"]
+                "gc_full", "gc_full_ms", "dataloader_gc_ms"]
 COLLECTIVE_COLUMNS = ["step", "seq", "name", "arrival", "dur_ms", "bytes", "group"]
 
 
@@ -57,8 +57,9 @@ class ProbeData:
     for a training iterator's first batch: an epoch's start; 0 where none, or the probe predates
     it), comm_ms, device_ms (the step as the device ran it, CUDA ranks; NaN where not timed),
     gc_ms, gc_full and gc_full_ms (time in Python's garbage collections of generations 1 and 2,
-    how many were full passes and their time; 0 where none, or the probe predates their timing: its metadata's `gc`
-    says it timed them);
+    how many were full passes and their time; 0 where none, or the probe predates their timing:
+    its metadata's `gc` says it timed them), dataloader_gc_ms (of dataloader_ms, collections
+    inside the fetches);
     warm-up step 0 excluded."""
     collectives: pd.DataFrame
     """step, seq, name, arrival (epoch s), dur_ms, bytes, group."""
@@ -123,13 +124,14 @@ def as_number(x) -> float:
 class _Columns:
     """Step records parsed straight into typed columns (no dict kept per step)."""
 
-    __slots__ = ("step", "start", "dur", "dl", "dl_first", "gc", "gc_full", "gc_full_ms", "comm", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
+    __slots__ = ("step", "start", "dur", "dl", "dl_first", "gc", "gc_full", "gc_full_ms", "dl_gc", "comm", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
                  "c_bytes", "c_group", "d_step", "d_ms", "codes")
 
     def __init__(self, codes: dict[str, int]) -> None:
         self.step, self.c_step = array("q"), array("q")
         self.start, self.dur, self.dl, self.comm = array("d"), array("d"), array("d"), array("d")
         self.dl_first, self.gc, self.gc_full, self.gc_full_ms = array("d"), array("d"), array("d"), array("d")
+        self.dl_gc = array("d")
         self.c_seq, self.c_name, self.c_group = array("q"), array("q"), array("q")
         self.c_arrival, self.c_dur, self.c_bytes = array("d"), array("d"), array("d")
         self.d_step, self.d_ms = array("q"), array("d")  # earlier steps as the device ran them
@@ -167,6 +169,7 @@ class _Columns:
         self.gc.append(as_number(r.get("gc_ms", 0.0)))
         self.gc_full.append(as_number(r.get("gc_full", 0)))
         self.gc_full_ms.append(as_number(r.get("gc_full_ms", 0.0)))
+        self.dl_gc.append(as_number(r.get("dataloader_gc_ms", 0.0)))
         self.comm.append(as_number(r.get("comm_ms")))
         colls = r.get("collectives")
         if not isinstance(colls, list):
@@ -210,6 +213,7 @@ def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame
                           "dataloader_ms": col("dl", np.float64), "first_batch_ms": col("dl_first", np.float64),
                           "comm_ms": col("comm", np.float64), "gc_ms": col("gc", np.float64),
                           "gc_full": col("gc_full", np.float64), "gc_full_ms": col("gc_full_ms", np.float64),
+                          "dataloader_gc_ms": col("dl_gc", np.float64),
                           "device_ms": device}, columns=STEP_COLUMNS, copy=False)
     names = np.array(list(codes), dtype=object)
     c_step = col("c_step", np.int64)

@@ -221,6 +221,14 @@ def _replayed(f: Finding, ms: float, base_ms: float, th: Thresholds) -> Finding:
                    method=method, metrics={**f.metrics, "own_estimate_ms": own})
 
 
+def finding_saving(m: StepModel, f: Finding) -> float | None:
+    """What the replay gives back with f's cause removed, less what the probes say its part of the
+    graph carried that removing the cause would not remove: garbage collections that ran inside
+    DataLoader fetches (`gc_in_wait_ms`; they would stop the process elsewhere). None: not modelled."""
+    ms = m.saving(f.id, tuple(f.ranks))
+    return None if ms is None else max(ms - float(f.metrics.get("gc_in_wait_ms", 0.0)), 0.0)
+
+
 def annotate(findings: tuple[Finding, ...], m: StepModel, th: Thresholds,
              straggler_ranks: tuple[int, ...] = ()) -> WhatIfs:
     """Replace each finding's recoverable_ms by its replayed figure (see the module doc) and
@@ -231,7 +239,7 @@ def annotate(findings: tuple[Finding, ...], m: StepModel, th: Thresholds,
     flagged: dict[str, tuple[int, ...]] = {}
     for f in findings:
         extra: dict[str, float] = {}
-        ms = m.saving(f.id, tuple(f.ranks)) if f.kind != "capacity" else None
+        ms = finding_saving(m, f) if f.kind != "capacity" else None
         if ms is not None:
             extra["replay_recoverable_ms"] = round(ms, 3)
             flagged[f.id] = tuple(f.ranks)

@@ -105,9 +105,14 @@ class SyntheticDataset(Dataset):
     def __len__(self) -> int:
         return len(self.x)
 
+    garbage = None
+    """--gc-in-loader: a Garbage whose cycles each sample makes (per-sample Python records)."""
+
     def __getitem__(self, i: int):
         if self.slow_s:
             time.sleep(self.slow_s)
+        if self.garbage is not None:
+            self.garbage.sample(i)
         return self.x[i], self.y[i]
 
 
@@ -223,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="each step each rank makes about this many objects in reference cycles that live a "
                         "few steps (its count drawn per rank and step): the collector's full passes come at "
                         "each rank's own steps")
+    p.add_argument("--gc-in-loader", action="store_true",
+                   help="the --gc-churn cycles are made by the Dataset, per sample, not after the backward")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() once the long-lived objects exist (a fix)")
     p.add_argument("--gc-every", type=int, default=0,
@@ -319,17 +326,29 @@ class Garbage:
     walk every tracked object: with a large long-lived heap each one pauses the rank for as long,
     at steps the allocations decide (so each rank at its own steps)."""
 
-    def __init__(self, rank: int, heap: int, churn: int, freeze: bool, every: int = 0) -> None:
+    def __init__(self, rank: int, heap: int, churn: int, freeze: bool, every: int = 0, per_sample: int = 0) -> None:
         import collections
         import gc
 
-        self.rank, self.churn, self.every = rank, churn, every
+        self.rank, self.every, self.per_sample = rank, every, per_sample
+        self.churn = 0 if per_sample else churn  # made by the Dataset instead (sample())
         self.heap = [{"i": i, "path": [i]} for i in range(heap)]  # long-lived: walked by every full pass
-        self.recent = collections.deque(maxlen=8)  # survives a few steps: promoted, then dropped
+        # survives a few steps (eight steps' worth): promoted, then dropped
+        self.recent = collections.deque(maxlen=8 * max(churn // per_sample, 1) if per_sample else 8)
         if freeze:
             gc.freeze()  # a fix: what exists now is out of the collector's reach
         if every:
             gc.disable()  # a fix: collections only where every rank makes them, at the same step
+
+    def sample(self, i: int) -> None:
+        """--gc-in-loader: the cycles a sample's Python records make, in the fetch (num_workers=0:
+        a full pass that comes due there reads as the DataLoader's wait in the trace)."""
+        batch = []
+        for k in range(self.per_sample):
+            a = {"sample": i}
+            a["self"] = [a, k]
+            batch.append(a)
+        self.recent.append(batch)
 
     def step(self, step: int) -> None:
         n = int(self.churn * random.Random(self.rank * 7919 + step).uniform(0.5, 1.5))
@@ -338,7 +357,8 @@ class Garbage:
             a = {"step": step}
             a["self"] = [a, i]  # a reference cycle: only the collector frees it
             batch.append(a)
-        self.recent.append(batch)
+        if n:
+            self.recent.append(batch)
         if self.every and step % self.every == 0:
             import gc
 
@@ -451,8 +471,12 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         )
         prof.start()
 
-    garbage = (Garbage(rank, args.gc_heap, args.gc_churn, args.gc_freeze, args.gc_every)
-               if args.gc_heap or args.gc_churn else None)
+    garbage = None
+    if args.gc_heap or args.gc_churn:
+        garbage = Garbage(rank, args.gc_heap, args.gc_churn, args.gc_freeze, args.gc_every,
+                          per_sample=args.gc_churn // args.batch_size if args.gc_in_loader else 0)
+        if args.gc_in_loader:
+            dataset.garbage = garbage
     loss_fn = nn.MSELoss()
     step = 0
     step_times: list[float] = []

@@ -134,6 +134,9 @@ class StepRecord:
     when non-zero, with gc_full_ms."""
     gc_full_ms: float = 0.0
     """Time in those full passes."""
+    dataloader_gc_ms: float = 0.0
+    """Of dataloader_ms, garbage collections that ran during the fetches (a pass that begins
+    inside one reads as the DataLoader's wait in the trace); written only when non-zero."""
     collectives: list = field(default_factory=list)
     """[name, arrival offset ms from step start, duration ms, bytes, group] per collective."""
     spans: list = field(default_factory=list)
@@ -178,9 +181,13 @@ class Probe:
         self._wall0 = time.time()
         self._dl_ms = 0.0
         self._dl_first_ms = 0.0
+        self._dl_gc_ms = 0.0
         self._gc_ms = 0.0
         self._gc_full = 0
         self._gc_full_ms = 0.0
+        self.gc_clock_ms = 0.0
+        """Time in timed garbage collections since the probe started (never reset): a fetch reads it
+        before and after to know the collections inside it."""
         self._comm_ms = 0.0
         self._colls: list = []
         self._spans: list = []
@@ -255,15 +262,18 @@ class Probe:
             top.close()
 
     # ---- events from the training loop --------------------------------------------
-    def on_data_wait(self, seconds: float, first: bool = False) -> None:
-        """first: the fetch was a training iterator's first (an epoch's start)."""
+    def on_data_wait(self, seconds: float, first: bool = False, gc_ms: float = 0.0) -> None:
+        """first: the fetch was a training iterator's first (an epoch's start); gc_ms: of the
+        wait, Python's garbage collections that ran during the fetch."""
         self._dl_ms += seconds * 1000.0
+        self._dl_gc_ms += gc_ms
         if first:
             self._dl_first_ms += seconds * 1000.0
 
     def on_gc(self, seconds: float, generation: int) -> None:
         """One garbage collection of `generation` (2: a full pass), from gc.callbacks."""
         self._gc_ms += seconds * 1000.0
+        self.gc_clock_ms += seconds * 1000.0
         if generation >= 2:
             self._gc_full += 1
             self._gc_full_ms += seconds * 1000.0
@@ -330,6 +340,7 @@ class Probe:
                 rec = StepRecord(step=self.step, start=self._wall0, dur_ms=round(dur_ms, 4),
                                  dataloader_ms=round(self._dl_ms, 4), comm_ms=round(comm, 4),
                                  first_batch_ms=round(self._dl_first_ms, 4), gc_ms=round(self._gc_ms, 4),
+                                 dataloader_gc_ms=round(self._dl_gc_ms, 4),
                                  gc_full=self._gc_full, gc_full_ms=round(self._gc_full_ms, 4),
                                  collectives=self._colls, spans=self._spans, device=device)
                 self._colls = []
@@ -355,6 +366,7 @@ class Probe:
         self._poll_capture()
         self._dl_ms = 0.0
         self._dl_first_ms = 0.0
+        self._dl_gc_ms = 0.0
         self._gc_ms = 0.0
         self._gc_full = 0
         self._gc_full_ms = 0.0
@@ -523,6 +535,7 @@ class Probe:
                           rec.dataloader_ms, "comm_ms": rec.comm_ms, "collectives": rec.collectives,
                           **({"first_batch_ms": rec.first_batch_ms} if rec.first_batch_ms else {}),
                           **({"gc_ms": rec.gc_ms} if rec.gc_ms else {}),
+                          **({"dataloader_gc_ms": rec.dataloader_gc_ms} if rec.dataloader_gc_ms else {}),
                           **({"gc_full": rec.gc_full, "gc_full_ms": rec.gc_full_ms} if rec.gc_full else {}),
                           **({"spans": rec.spans} if rec.spans else {}),
                           **({"device_ms": rec.device} if rec.device else {})})

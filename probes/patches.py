@@ -114,6 +114,7 @@ class _TimedIter:
 
     def __next__(self):
         t = time.perf_counter()
+        gc0 = self._probe.gc_clock_ms
         span = None
         if self._mark is not None:
             try:
@@ -130,7 +131,7 @@ class _TimedIter:
                 except Exception:  # noqa: BLE001, S110
                     pass
             first, self._first = self._first, False
-            self._probe.on_data_wait(time.perf_counter() - t, first)
+            self._probe.on_data_wait(time.perf_counter() - t, first, self._probe.gc_clock_ms - gc0)
 
     def __len__(self):
         return len(self._it)

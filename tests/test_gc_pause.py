@@ -112,6 +112,35 @@ def test_full_passes_inside_the_profiled_steps_are_named_beside_the_verdict():
     assert "collections" not in diagnose_paths([PAUSES]).extras["window"]["kinds"]
 
 
+def test_window_figures_that_carry_collections_have_low_confidence():
+    d = diagnose_paths([FIXTURES / "cpu_gc_in_window_2rank"])
+    assert {f.id: f.confidence for f in d.findings} == {
+        "dataloader_starvation": "low", "load_imbalance": "low", "exposed_communication": "low", ID: "high"}
+
+
+def test_collections_inside_fetches_are_not_the_dataloaders_wait():
+    """The probes time the collections that ran inside each fetch: the DataLoader's figure, its own
+    and the replay's, is the wait less them (whatif.finding_saving)."""
+    from diagnose.probedata import load_probe_data
+    from diagnose.step.window import in_window
+    from diagnose.ingest.assemble import absolute_span_us, load_run
+
+    fixture = FIXTURES / "cpu_gc_in_loader_2rank"
+    d = diagnose_paths([fixture])
+    assert d.findings[0].id == ID
+    f = next(x for x in d.findings if x.id == "dataloader_starvation")
+    m = f.metrics
+    worst = m["worst_rank"]
+    s = load_probe_data([fixture])[worst].steps
+    inside = in_window(s, absolute_span_us(load_run([fixture]).traces[worst]))
+    assert m["gc_in_wait_ms"] == pytest.approx(s["dataloader_gc_ms"][inside].mean(), abs=1e-3)
+    assert m["gc_in_wait_ms"] > 0.5 * m["dataloader_ms_per_step"]  # one 300 ms pass in five steps
+    replayed = d.extras["replay"]["by_cause_ms"]["dataloader_starvation"]  # the DataLoader part whole
+    assert f.recoverable_ms == pytest.approx(max(replayed - m["gc_in_wait_ms"], 0.0), abs=2e-3)
+    assert f.confidence == "low" and "garbage collection inside the fetches" in \
+        next(c for c in d.checks if c.id == "dataloader_starvation").reason
+
+
 @pytest.mark.parametrize("fixture", ["cpu_straggler_2rank", "cpu_epoch_starts_2rank"])
 def test_records_from_probes_that_timed_no_collections_are_not_measured(fixture):
     c = _check(diagnose_paths([FIXTURES / fixture]))
@@ -159,3 +188,36 @@ def test_the_probe_times_each_collection_and_counts_full_passes(tmp_path):
     assert one["gc_full"] >= 1 and 0 < one["gc_full_ms"] <= one["gc_ms"]
     assert records[2]["gc_ms"] > 0 and records[2].get("gc_full", 0) == 0
     assert probe.meta["gc"]["timed"] is True and probe.meta["gc"]["threshold"] == list(gc.get_threshold())
+    assert "dataloader_gc_ms" not in one  # no fetch in these steps
+
+
+def test_the_probe_times_collections_inside_fetches(tmp_path):
+    from diagnose.probes import patches
+    from diagnose.probes.core import Probe, Schedule
+    from torch.utils.data import DataLoader
+
+    class Collecting(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            if i == 2:
+                gc.collect()  # a full pass that comes due inside a fetch
+            return i
+
+    probe = Probe(tmp_path / "probe", rank=0, world_size=1, schedule=Schedule.parse("off"), strict_dir=False)
+    undo = [patches._gc(probe), patches._dataloader(probe)]
+    try:
+        for _ in DataLoader(Collecting(), batch_size=2):
+            probe.on_step()
+        gc.collect()  # outside any fetch
+        probe.on_step()
+    finally:
+        for u in undo:
+            u()
+        probe.close()
+    records = {r["step"]: r for f in (tmp_path / "probe").rglob("rank0.steps.jsonl")
+               for r in map(json.loads, f.read_text().splitlines())}
+    assert "dataloader_gc_ms" not in records[0]
+    assert 0 < records[1]["dataloader_gc_ms"] <= records[1]["gc_full_ms"] <= records[1]["dataloader_ms"]
+    assert records[2]["gc_full"] >= 1 and "dataloader_gc_ms" not in records[2]

@@ -10,6 +10,7 @@ from diagnose.probes.patches import EVAL_BATCH_NAMES
 from diagnose.step.idle import IdleModel, completeness
 from diagnose.step.timeline import CPU_COMM_ENQUEUE, CPU_COMM_TRANSFER, DATALOADER, RankTimeline, _names_matching, frames
 from diagnose.thresholds import Thresholds
+from diagnose.whatif import finding_saving
 
 
 def confidence_for(ctx, base: str = "high") -> str:
@@ -57,7 +58,7 @@ def flag_or_pass(finding: Finding, threshold: float, th: Thresholds, reason_flag
     replayed = None
     m = getattr(ctx, "model", None)
     if m is not None and m.trusted and finding.kind != "capacity":
-        replayed = m.saving(finding.id, tuple(finding.ranks))
+        replayed = finding_saving(m, finding)
     if replayed is not None:
         ms, share = replayed, (replayed / ctx.mean_step_ms if ctx.mean_step_ms > 0 else 0.0)
     if share >= threshold and ms >= th.healthy_floor_ms:

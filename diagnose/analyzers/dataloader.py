@@ -22,7 +22,7 @@ copy (the idle model's input class).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 import numpy as np
@@ -156,6 +156,19 @@ def epoch_starts(ctx: Context, rank: int) -> EpochStarts | None:
                        step_ms=float(s["dur_ms"].mean()), window=window)
 
 
+def collections_in_wait(ctx: Context, rank: int) -> float | None:
+    """Mean per profiled step of the garbage collections that ran inside `rank`'s DataLoader
+    fetches (the probes' record, its steps inside the trace's span); None where not known."""
+    p, trace = ctx.probes.get(rank), ctx.run.traces.get(rank)
+    if p is None or trace is None or "dataloader_gc_ms" not in p.steps or not trace.meta.get("baseTimeNanoseconds"):
+        return None
+    span = absolute_span_us(trace)
+    inside = in_window(p.steps, span) if span is not None else None
+    if inside is None or not inside.any():
+        return None
+    return float(p.steps["dataloader_gc_ms"].fillna(0.0).to_numpy(dtype=float)[inside].mean())
+
+
 def _dataloader(ctx: Context, th: Thresholds) -> Check:
     run = ctx.run
     if all(tl.cover.n_dataloader == 0 for tl in run.timelines.values()):
@@ -246,7 +259,20 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
         share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=tuple(refs), fix=fix,
         confidence=confidence_for(ctx), method="Mean per-step DataLoader wait not hidden under device work "
         "(GPU) or blocking the training thread (CPU), on the worst rank.")
-    level = "highly input-bound" if share >= th.input_bound_high else "input-bound"
+    # a garbage collection that began inside a fetch reads as the DataLoader's wait in the trace
+    # (and in the replay's DataLoader part): the probes know how much of the window's wait it was
+    collected = collections_in_wait(ctx, worst)
+    if collected is not None and collected >= th.healthy_floor_ms:
+        collected = min(collected, ms)
+        own = ms - collected
+        metrics["gc_in_wait_ms"] = round(collected, 3)
+        gc_note = (f"; {collected:.1f} ms per step of it was Python's garbage collection inside the fetches (the "
+                   "probes' record; the gc_pause check)")
+        eval_note += gc_note
+        # its own figure and the replay's (whatif.finding_saving) both less the collections
+        f = replace(f, confidence="low", recoverable_ms=round(own, 3), share_of_step=round(own / ctx.mean_step_ms, 4),
+                    severity=th.severity(own / ctx.mean_step_ms))
+    level = "highly input-bound" if f.share_of_step >= th.input_bound_high else "input-bound"
     return flag_or_pass(f, th.input_bound, th, f"{level}: rank {worst} waits {ms:.1f} ms per step "
                         f"({share:.0%}) for the next batch{eval_note}{epoch_note}", ctx)
 
