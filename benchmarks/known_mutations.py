@@ -78,14 +78,22 @@ MUTATIONS = [
     ("diagnose/analyzers/dataloader.py", "window = (int((inside & is_start).sum()), int(inside.sum()))",
      "window = (int(is_start.sum()), int(inside.sum()))", "the window's epoch starts counted over the run"),
     # 2026-12-07 (Python garbage collection pauses, analyzers/gc_pause.py, probes/patches._gc)
-    ("diagnose/analyzers/gc_pause.py", "per_step = float(full_ms.max(axis=1).mean())",
-     "per_step = float(all_ms.max(axis=1).mean())", "the young generations' collections counted as recoverable"),
-    ("diagnose/analyzers/gc_pause.py", "per_step = float(full_ms.max(axis=1).mean())",
-     "per_step = float(full_ms.sum(axis=1).mean())", "ranks pausing at the same step counted one after the other"),
+    ("diagnose/analyzers/gc_pause.py", 'per_step = float(frame.groupby("step")["gc_full_ms"].max().sum()) / n',
+     'per_step = float(frame.groupby("step")["gc_ms"].max().sum()) / n',
+     "the young generations' collections counted as recoverable"),
+    ("diagnose/analyzers/gc_pause.py", 'per_step = float(frame.groupby("step")["gc_full_ms"].max().sum()) / n',
+     'per_step = float(frame.groupby("step")["gc_full_ms"].sum().sum()) / n',
+     "ranks pausing at the same step counted one after the other"),
     ("probes/core.py", "        if generation >= 2:\n            self._gc_full += 1",
      "        if generation >= 1:\n            self._gc_full += 1", "a middle generation's collection counted as a full pass"),
-    ("diagnose/analyzers/gc_pause.py", "alone = int(((full > 0).sum(axis=1) == 1).sum())",
-     "alone = int(((full > 0).sum(axis=1) >= 1).sum())", "ranks collecting together said to collect alone"),
+    ("diagnose/analyzers/gc_pause.py", 'alone = int((hits.groupby("step").size() == 1).sum())',
+     'alone = int((hits.groupby("step").size() >= 1).sum())', "ranks collecting together said to collect alone"),
+    ("diagnose/whatif.py", 'return None if ms is None else max(ms - float(f.metrics.get("gc_in_wait_ms", 0.0)), 0.0)',
+     "return ms", "collections inside DataLoader fetches left in the DataLoader's replayed figure"),
+    ("diagnose/pipeline.py", 'if window is not None and "collections" in window.kinds:', "if False:",
+     "window figures carrying full collections keep their confidence"),
+    ("probes/patches.py", "self._probe.on_data_wait(time.perf_counter() - t, first, self._probe.gc_clock_ms - gc0)",
+     "self._probe.on_data_wait(time.perf_counter() - t, first)", "collections inside fetches not timed"),
 ]
 
 

@@ -130,8 +130,9 @@ OVER_THE_RUN = frozenset({"gc_pause", "fail_slow", "checkpoint_io"})
 def _window_collected(findings: list[Finding], checks: list[Check]) -> tuple[list[Finding], list[Check]]:
     """Full garbage collections ran inside the profiled steps (step/window.py): every figure
     measured there carries them as whatever the process was doing when each began, so those
-    findings' confidence is low (the caution beside the verdict says why)."""
-    low = {f.id: replace(f, confidence="low") for f in findings if f.id not in OVER_THE_RUN}
+    findings' confidence is low (the caution beside the verdict says why); capacity findings
+    (device memory) cost no time and keep theirs."""
+    low = {f.id: replace(f, confidence="low") for f in findings if f.id not in OVER_THE_RUN and f.kind != "capacity"}
     out = [low.get(f.id, f) for f in findings]
     return out, [replace(c, finding=low[c.id]) if c.finding is not None and c.id in low else c for c in checks]
 

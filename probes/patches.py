@@ -463,8 +463,9 @@ def _gc(probe: Probe):
     clock = time.perf_counter
 
     def timed(phase, info):
-        # generation 0 runs every few hundred allocations and takes microseconds: left untimed,
-        # its callback costs ~0.3 us instead of ~2.4 (benchmarks/bench_probe_overhead.py)
+        # generation 0 runs every few hundred allocations and takes microseconds: left untimed, a
+        # collection with this callback costs ~1.5 us (0.07 bare, ~2.4 timed; measured by
+        # benchmarks/bench_probe_overhead.py: most of it is CPython calling any callback at all)
         try:
             generation = info["generation"]
             if not generation:

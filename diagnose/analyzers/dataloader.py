@@ -27,9 +27,6 @@ from itertools import islice
 
 import numpy as np
 
-import numpy as np
-
-from diagnose.ingest.assemble import absolute_span_us
 from diagnose.analyzers.common import (confidence_for, evaluation_marks, evaluation_spans, flag_or_pass,
                                       not_measurable)
 from diagnose.context import Context
@@ -38,7 +35,7 @@ from diagnose.model import Check, Finding
 from diagnose.step.cover import column
 from diagnose.step.intervals import covered, intersect, union
 from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _names_matching
-from diagnose.step.window import in_window
+from diagnose.step.window import window_mask
 from diagnose.thresholds import Thresholds
 
 TITLE = "Dataloader starvation"
@@ -51,6 +48,9 @@ FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=Tr
 EVAL_NAMED = 0.25
 """From this share of the worst rank's DataLoader wait in an evaluation's batches, the
 finding says so (and from half, leads its fix with the evaluation's loader)."""
+GC_NAMED = 0.25
+"""From this share of the window's DataLoader wait in garbage collections inside the fetches, the
+reason says so and the finding's confidence is low (the window caught a collection there)."""
 EPOCH_LEADS = 0.5
 """From this share of the every-step record's DataLoader wait in iterators' first batches (over
 two epoch starts at least), the finding is about epoch starts: its fix leads with them."""
@@ -146,11 +146,9 @@ def epoch_starts(ctx: Context, rank: int) -> EpochStarts | None:
         return None
     window = None
     trace = ctx.run.traces.get(rank)
-    span = absolute_span_us(trace) if trace is not None and trace.meta.get("baseTimeNanoseconds") else None
-    if span is not None:
-        inside = in_window(s, span)
-        if inside.any():
-            window = (int((inside & is_start).sum()), int(inside.sum()))
+    inside = window_mask(trace, s) if trace is not None else None
+    if inside is not None and inside.any():
+        window = (int((inside & is_start).sum()), int(inside.sum()))
     return EpochStarts(rank=rank, steps=len(s), starts=int(is_start.sum()), wait_ms=float(wait.mean()),
                        first_ms=float(first.mean()), each_ms=float(np.median(first[is_start])),
                        step_ms=float(s["dur_ms"].mean()), window=window)
@@ -160,10 +158,9 @@ def collections_in_wait(ctx: Context, rank: int) -> float | None:
     """Mean per profiled step of the garbage collections that ran inside `rank`'s DataLoader
     fetches (the probes' record, its steps inside the trace's span); None where not known."""
     p, trace = ctx.probes.get(rank), ctx.run.traces.get(rank)
-    if p is None or trace is None or "dataloader_gc_ms" not in p.steps or not trace.meta.get("baseTimeNanoseconds"):
+    if p is None or trace is None or "dataloader_gc_ms" not in p.steps:
         return None
-    span = absolute_span_us(trace)
-    inside = in_window(p.steps, span) if span is not None else None
+    inside = window_mask(trace, p.steps)
     if inside is None or not inside.any():
         return None
     return float(p.steps["dataloader_gc_ms"].fillna(0.0).to_numpy(dtype=float)[inside].mean())
@@ -266,12 +263,13 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
         collected = min(collected, ms)
         own = ms - collected
         metrics["gc_in_wait_ms"] = round(collected, 3)
-        gc_note = (f"; {collected:.1f} ms per step of it was Python's garbage collection inside the fetches (the "
-                   "probes' record; the gc_pause check)")
-        eval_note += gc_note
+        own_share = own / ctx.mean_step_ms if ctx.mean_step_ms > 0 else 0.0
         # its own figure and the replay's (whatif.finding_saving) both less the collections
-        f = replace(f, confidence="low", recoverable_ms=round(own, 3), share_of_step=round(own / ctx.mean_step_ms, 4),
-                    severity=th.severity(own / ctx.mean_step_ms))
+        f = replace(f, recoverable_ms=round(own, 3), share_of_step=round(own_share, 4), severity=th.severity(own_share))
+        if collected >= GC_NAMED * ms:  # a middle generation's few tenths of a ms now and then are not worth a word
+            eval_note += (f"; {collected:.1f} ms per step of it was Python's garbage collection inside the fetches "
+                          "(the probes' record; the gc_pause check)")
+            f = replace(f, confidence="low")
     level = "highly input-bound" if f.share_of_step >= th.input_bound_high else "input-bound"
     return flag_or_pass(f, th.input_bound, th, f"{level}: rank {worst} waits {ms:.1f} ms per step "
                         f"({share:.0%}) for the next batch{eval_note}{epoch_note}", ctx)

@@ -43,62 +43,65 @@ MIN_STEPS = 10
 """Recorded steps, at the least: a pause every few dozen steps needs a run, not a window."""
 
 
-def _collections(ctx: Context) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
-    """gc_ms, gc_full, gc_full_ms and the job's step as step x rank tables over the ranks whose
-    probes timed collections; None where no rank did."""
+def _collections(ctx: Context) -> pd.DataFrame | None:
+    """One row per rank and recorded step (step, rank, gc_ms, gc_full, gc_full_ms, job_ms: the
+    step as the job ran it) over the ranks whose probes timed collections; None where none did.
+    Long, not a step x rank table: a 1,024-rank record of thousands of steps stays its own size."""
     timed = {r: p.steps for r, p in ctx.probes.items()
              if isinstance(p.meta.get("gc"), dict) and p.meta["gc"].get("timed") and not p.steps.empty}
     if not timed:
         return None
     frame = pd.concat([s[["step", "gc_ms", "gc_full", "gc_full_ms"]].assign(rank=r, job_ms=job_step_ms(s))
                        for r, s in timed.items()], ignore_index=True)
-    frame = frame.drop_duplicates(["step", "rank"], keep="last")
-    return tuple(frame.pivot(index="step", columns="rank", values=c).fillna(0.0 if c != "job_ms" else np.nan)
-                 for c in ("gc_ms", "gc_full", "gc_full_ms", "job_ms"))
+    return frame.drop_duplicates(["step", "rank"], keep="last").fillna({"gc_ms": 0.0, "gc_full": 0.0,
+                                                                          "gc_full_ms": 0.0})
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
-    got = _collections(ctx)
-    if got is None:
+    frame = _collections(ctx)
+    if frame is None:
         return [not_measurable(ID, TITLE, "no probe timed Python's garbage collections (`diagnose run` or the probes' "
                                           "API time them on every step)")]
-    all_ms, full, full_ms, job = got
-    if len(all_ms) < MIN_STEPS:
-        return [not_measurable(ID, TITLE, f"{len(all_ms)} steps recorded: pauses that come every few dozen steps need "
+    n = int(frame["step"].nunique())
+    if n < MIN_STEPS:
+        return [not_measurable(ID, TITLE, f"{n} steps recorded: pauses that come every few dozen steps need "
                                           f"{MIN_STEPS} or more")]
-    per_step = float(full_ms.max(axis=1).mean())  # the job waits for the rank whose full passes took longest
-    young = float((all_ms - full_ms).clip(lower=0).mean(axis=0).max())
-    steps = job.to_numpy(dtype=float)
-    step_ms = float(np.nanmean(steps))
-    beyond = float(np.nanmedian(np.nanmean(steps, axis=0) - np.nanmedian(steps, axis=0)))  # over ranks
+    by_rank = frame.groupby("rank")
+    # the job waits for the rank whose full passes took longest at each step
+    per_step = float(frame.groupby("step")["gc_full_ms"].max().sum()) / n
+    young = float((frame["gc_ms"] - frame["gc_full_ms"]).clip(lower=0).groupby(frame["rank"]).mean().max())
+    step_ms = float(frame["job_ms"].mean())
+    beyond = float((by_rank["job_ms"].mean() - by_rank["job_ms"].median()).median())
     share = per_step / step_ms if step_ms > 0 else 0.0
-    passes = full.sum(axis=0)
-    with_full = full.index[(full > 0).any(axis=1)]
-    worst_rank = int(full_ms.max(axis=0).idxmax())
-    worst_step = int(full_ms[worst_rank].idxmax())
-    longest = float(full_ms[worst_rank].max())
+    passes = by_rank["gc_full"].sum()
+    hits = frame[frame["gc_full"] > 0]
+    with_full = int(hits["step"].nunique())
+    multi = frame["rank"].nunique() > 1
+    alone = int((hits.groupby("step").size() == 1).sum()) if multi else 0
+    top = frame.loc[frame["gc_full_ms"].idxmax()]
+    worst_rank, worst_step, longest = int(top["rank"]), int(top["step"]), float(top["gc_full_ms"])
     ranks = tuple(int(r) for r in passes.index[passes > 0]) or (worst_rank,)
-    alone = int(((full > 0).sum(axis=1) == 1).sum()) if full.shape[1] > 1 else 0
+    full_each = by_rank["gc_full_ms"].sum() / n
     metrics: dict[str, float | int | str] = {
         "full_pass_ms_per_step": round(per_step, 3),
         "share_of_step": round(share, 4),
         "young_gc_ms_per_step": round(young, 3),
-        "every_step_steps": int(len(all_ms)),
+        "every_step_steps": n,
         "every_step_step_ms": round(step_ms, 3),
         "mean_beyond_median_step_ms": round(beyond, 3),
         "full_passes": int(passes.sum()),
-        "steps_with_a_full_pass": int(len(with_full)),
+        "steps_with_a_full_pass": with_full,
         "steps_one_rank_alone": alone,
         "longest_pause_ms": round(longest, 3),
         "longest_pause_rank": worst_rank,
         "longest_pause_step": worst_step,
     }
-    for r in all_ms.columns:
-        metrics[f"rank{int(r)}_full_pass_ms_per_step"] = round(float(full_ms[r].mean()), 3)
+    for r in passes.index:
+        metrics[f"rank{int(r)}_full_pass_ms_per_step"] = round(float(full_each[r]), 3)
         metrics[f"rank{int(r)}_full_passes"] = int(passes[r])
     cfg = next((p.meta["gc"] for _, p in sorted(ctx.probes.items()) if isinstance(p.meta.get("gc"), dict)), {})
     fix = FIX
-    together = full.shape[1] > 1 and len(with_full) > 0 and alone == 0
+    together = multi and with_full > 0 and alone == 0
     if cfg:
         fix += (f" This run: thresholds {tuple(cfg.get('threshold', ()))}, {cfg.get('frozen', 0)} objects frozen"
                 f"{', the collector disabled (collections by hand)' if cfg.get('enabled') is False else ''}"
@@ -111,13 +114,13 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         method="Mean over the probes' every-step record of the longest time any rank spent in Python's full "
                "garbage collections at that step (gc.callbacks)" + (": an upper bound where the device has work "
                                                                      "queued" if on_device else "."))
-    if not len(with_full):
+    if not with_full:
         return [flag_or_pass(f, th.gc_pause, th, "", ctx)]
-    where = (f"at {alone} of the {len(with_full)} steps with one, one rank collected alone while the others waited"
-             if alone else f"every rank collected at the same {len(with_full)} step(s)" if together
-             else f"{len(with_full)} step(s) with one")
+    where = (f"at {alone} of the {with_full} steps with one, one rank collected alone while the others waited"
+             if alone else f"every rank collected at the same {with_full} step(s)" if together
+             else f"{with_full} step(s) with one")
     reason = (f"full garbage collections stop the training process {per_step:.1f} ms per step over the run's "
-              f"{len(all_ms)} recorded steps ({share:.0%}): {int(passes.sum())} on rank(s) {rank_ranges(ranks)}, the "
+              f"{n} recorded steps ({share:.0%}): {int(passes.sum())} on rank(s) {rank_ranges(ranks)}, the "
               f"longest {longest:.0f} ms (rank {worst_rank}, step {worst_step}); {where}; the run's mean step is "
               f"{beyond:.1f} ms above its median (young collections, not counted: {young:.1f} ms per step)")
     return [flag_or_pass(f, th.gc_pause, th, reason, ctx)]

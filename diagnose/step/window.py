@@ -138,6 +138,12 @@ def in_window(steps, span: tuple[float, float]) -> np.ndarray:
     return (start >= span[0] - SLACK_US) & (end <= span[1] + SLACK_US)
 
 
+def window_mask(trace: RankTrace, steps) -> np.ndarray | None:
+    """in_window for a rank's trace; None where the trace has no absolute clock."""
+    span = absolute_span_us(trace) if trace.meta.get("baseTimeNanoseconds") else None
+    return None if span is None else in_window(steps, span)
+
+
 def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData]) -> WindowAgainstRun | None:
     """The profiled window against the rest of the run, where both are known (None otherwise:
     no every-step record, no absolute clock in the traces, too few steps outside the window)."""
