@@ -43,9 +43,11 @@ READ_BLOCK = 1 << 20
 BATCH_LINES = 4096
 MAX_TELEMETRY_LINES = 100_000
 """Host and device samples kept per rank, the newest (2 days at the probes' one per 2 s)."""
-STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "first_batch_ms", "comm_ms", "device_ms", "gc_ms",
+STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "comm_ms", "device_ms", "first_batch_ms", "gc_ms",
                 "gc_full", "gc_full_ms", "dataloader_gc_ms"]
 COLLECTIVE_COLUMNS = ["step", "seq", "name", "arrival", "dur_ms", "bytes", "group"]
+OPTIONAL_STEP_FIELDS = ("first_batch_ms", "gc_ms", "gc_full", "gc_full_ms", "dataloader_gc_ms")
+"""Step-record fields the probes write only when non-zero (and older probes not at all): read as 0."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +61,7 @@ class ProbeData:
     gc_ms, gc_full and gc_full_ms (time in Python's garbage collections of generations 1 and 2,
     how many were full passes and their time; 0 where none, or the probe predates their timing:
     its metadata's `gc` says it timed them), dataloader_gc_ms (of dataloader_ms, collections
-    inside the fetches);
-    warm-up step 0 excluded."""
+    inside the fetches); warm-up step 0 excluded."""
     collectives: pd.DataFrame
     """step, seq, name, arrival (epoch s), dur_ms, bytes, group."""
     partial: bool = False
@@ -124,14 +125,13 @@ def as_number(x) -> float:
 class _Columns:
     """Step records parsed straight into typed columns (no dict kept per step)."""
 
-    __slots__ = ("step", "start", "dur", "dl", "dl_first", "gc", "gc_full", "gc_full_ms", "dl_gc", "comm", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
+    __slots__ = ("step", "start", "dur", "dl", "comm", "optional", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
                  "c_bytes", "c_group", "d_step", "d_ms", "codes")
 
     def __init__(self, codes: dict[str, int]) -> None:
         self.step, self.c_step = array("q"), array("q")
         self.start, self.dur, self.dl, self.comm = array("d"), array("d"), array("d"), array("d")
-        self.dl_first, self.gc, self.gc_full, self.gc_full_ms = array("d"), array("d"), array("d"), array("d")
-        self.dl_gc = array("d")
+        self.optional = {k: array("d") for k in OPTIONAL_STEP_FIELDS}
         self.c_seq, self.c_name, self.c_group = array("q"), array("q"), array("q")
         self.c_arrival, self.c_dur, self.c_bytes = array("d"), array("d"), array("d")
         self.d_step, self.d_ms = array("q"), array("d")  # earlier steps as the device ran them
@@ -165,11 +165,8 @@ class _Columns:
         self.start.append(start)
         self.dur.append(dur)
         self.dl.append(as_number(r.get("dataloader_ms")))
-        self.dl_first.append(as_number(r.get("first_batch_ms", 0.0)))
-        self.gc.append(as_number(r.get("gc_ms", 0.0)))
-        self.gc_full.append(as_number(r.get("gc_full", 0)))
-        self.gc_full_ms.append(as_number(r.get("gc_full_ms", 0.0)))
-        self.dl_gc.append(as_number(r.get("dataloader_gc_ms", 0.0)))
+        for k, column in self.optional.items():
+            column.append(as_number(r.get(k, 0.0)))
         self.comm.append(as_number(r.get("comm_ms")))
         colls = r.get("collectives")
         if not isinstance(colls, list):
@@ -201,6 +198,14 @@ def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame
             setattr(c, name, array(getattr(c, name).typecode))
         return joined
 
+    def optional(key: str) -> np.ndarray:  # as col(), for a field of OPTIONAL_STEP_FIELDS
+        parts = [np.frombuffer(c.optional[key], dtype=np.float64) for c in chunks if len(c.optional[key])]
+        joined = np.concatenate(parts) if parts else np.empty(0, dtype=np.float64)
+        del parts
+        for c in chunks:
+            c.optional[key] = array("d")
+        return joined
+
     step = col("step", np.int64)
     d_step, d_ms = col("d_step", np.int64), col("d_ms", np.float64)
     device = np.full(step.size, np.nan)
@@ -210,11 +215,9 @@ def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame
         timed = pd.Series(d_ms, index=d_step)
         device = timed[~timed.index.duplicated(keep="last")].reindex(step).to_numpy(dtype=np.float64)
     steps = pd.DataFrame({"step": step, "start": col("start", np.float64), "dur_ms": col("dur", np.float64),
-                          "dataloader_ms": col("dl", np.float64), "first_batch_ms": col("dl_first", np.float64),
-                          "comm_ms": col("comm", np.float64), "gc_ms": col("gc", np.float64),
-                          "gc_full": col("gc_full", np.float64), "gc_full_ms": col("gc_full_ms", np.float64),
-                          "dataloader_gc_ms": col("dl_gc", np.float64),
-                          "device_ms": device}, columns=STEP_COLUMNS, copy=False)
+                          "dataloader_ms": col("dl", np.float64), "comm_ms": col("comm", np.float64),
+                          "device_ms": device, **{k: optional(k) for k in OPTIONAL_STEP_FIELDS}},
+                         columns=STEP_COLUMNS, copy=False)
     names = np.array(list(codes), dtype=object)
     c_step = col("c_step", np.int64)
     if not len(c_step):

@@ -43,6 +43,10 @@ Pathology flags (all off by default: a healthy run):
                             --slow-getitem-ms, each epoch's first batch waits for one worker to load
                             it whole (--persistent-workers keeps the processes, not a batch ready);
                             --sampler-spans-epochs, one iterator over every epoch, is the fix
+  --gc-heap N --gc-churn C  N long-lived Python records and ~C reference cycles a step (drawn per
+                            rank and step) living eight steps: Python's full garbage collections
+                            stop one rank at a time for hundreds of ms (--gc-in-loader: the Dataset
+                            makes the cycles, per sample); --gc-freeze and --gc-every K are the fixes
 
 A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --slow-rank R (-1: all):
   --slow-compute-ms MS      MS of extra compute per step (real CPU work, as a throttled device adds)
@@ -70,6 +74,7 @@ TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: tests/test_e2e_probes.py says why).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import os
@@ -327,9 +332,6 @@ class Garbage:
     at steps the allocations decide (so each rank at its own steps)."""
 
     def __init__(self, rank: int, heap: int, churn: int, freeze: bool, every: int = 0, per_sample: int = 0) -> None:
-        import collections
-        import gc
-
         self.rank, self.every, self.per_sample = rank, every, per_sample
         self.churn = 0 if per_sample else churn  # made by the Dataset instead (sample())
         self.heap = [{"i": i, "path": [i]} for i in range(heap)]  # long-lived: walked by every full pass
@@ -343,26 +345,24 @@ class Garbage:
     def sample(self, i: int) -> None:
         """--gc-in-loader: the cycles a sample's Python records make, in the fetch (num_workers=0:
         a full pass that comes due there reads as the DataLoader's wait in the trace)."""
-        batch = []
-        for k in range(self.per_sample):
-            a = {"sample": i}
-            a["self"] = [a, k]
-            batch.append(a)
-        self.recent.append(batch)
+        self.recent.append(_cycles(self.per_sample, i))
 
     def step(self, step: int) -> None:
         n = int(self.churn * random.Random(self.rank * 7919 + step).uniform(0.5, 1.5))
-        batch = []
-        for i in range(n):
-            a = {"step": step}
-            a["self"] = [a, i]  # a reference cycle: only the collector frees it
-            batch.append(a)
         if n:
-            self.recent.append(batch)
+            self.recent.append(_cycles(n, step))
         if self.every and step % self.every == 0:
-            import gc
-
             gc.collect()
+
+
+def _cycles(n: int, tag: int) -> list:
+    """n small records each in a reference cycle: only the collector frees them."""
+    out = []
+    for k in range(n):
+        a = {"tag": tag}
+        a["self"] = [a, k]
+        out.append(a)
+    return out
 
 
 def _matmuls(ms: float) -> None:

@@ -177,18 +177,10 @@ class Probe:
         self._dir: SafeDir | None = None
         self.schedule = schedule or Schedule()
         self.step = 0
-        self._t0 = time.perf_counter()
-        self._wall0 = time.time()
-        self._dl_ms = 0.0
-        self._dl_first_ms = 0.0
-        self._dl_gc_ms = 0.0
-        self._gc_ms = 0.0
-        self._gc_full = 0
-        self._gc_full_ms = 0.0
+        self._new_step()
         self.gc_clock_ms = 0.0
         """Time in timed garbage collections since the probe started (never reset): a fetch reads it
         before and after to know the collections inside it."""
-        self._comm_ms = 0.0
         self._colls: list = []
         self._spans: list = []
         self._pending_cuda: list = []
@@ -364,12 +356,14 @@ class Probe:
             # of a run still going reads them from here (the final sidecar adds the summary)
             self.write_sidecar()
         self._poll_capture()
-        self._dl_ms = 0.0
-        self._dl_first_ms = 0.0
-        self._dl_gc_ms = 0.0
-        self._gc_ms = 0.0
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """The step's own sums from zero, and its start (the collectives and spans lists are
+        swapped under the lock in on_step)."""
+        self._dl_ms = self._dl_first_ms = self._dl_gc_ms = 0.0
+        self._gc_ms = self._gc_full_ms = 0.0
         self._gc_full = 0
-        self._gc_full_ms = 0.0
         self._comm_ms = 0.0
         self._t0 = time.perf_counter()
         self._wall0 = time.time()

@@ -89,9 +89,8 @@ def test_full_passes_inside_the_profiled_steps_are_named_beside_the_verdict():
     the caution says which ran there (the fixture's README: the checks still carry them)."""
     from diagnose.output import terminal_summary
     from diagnose.probedata import load_probe_data
-    from diagnose.step.window import in_window
-    from diagnose.ingest.assemble import absolute_span_us
     from diagnose.ingest.assemble import load_run
+    from diagnose.step.window import window_mask
 
     fixture = FIXTURES / "cpu_gc_in_window_2rank"
     d = diagnose_paths([fixture])
@@ -102,7 +101,7 @@ def test_full_passes_inside_the_profiled_steps_are_named_beside_the_verdict():
     inside = []
     for r, p in load_probe_data([fixture]).items():
         s = p.steps
-        mask = in_window(s, absolute_span_us(run.traces[r])) & (s["gc_full_ms"] > 0).to_numpy()
+        mask = window_mask(run.traces[r], s) & (s["gc_full_ms"] > 0).to_numpy()
         inside += [[r, int(st), round(float(ms), 3)] for st, ms in zip(s["step"][mask], s["gc_full_ms"][mask])]
     assert sorted(w["collections"]) == sorted(inside) == [[0, 12, 295.951], [1, 11, 292.428]]
     assert "full garbage collections ran inside the profiled steps (rank 0 at step 12: 296 ms; rank 1 at step " \
@@ -122,8 +121,8 @@ def test_collections_inside_fetches_are_not_the_dataloaders_wait():
     """The probes time the collections that ran inside each fetch: the DataLoader's figure, its own
     and the replay's, is the wait less them (whatif.finding_saving)."""
     from diagnose.probedata import load_probe_data
-    from diagnose.step.window import in_window
-    from diagnose.ingest.assemble import absolute_span_us, load_run
+    from diagnose.step.window import window_mask
+    from diagnose.ingest.assemble import load_run
 
     fixture = FIXTURES / "cpu_gc_in_loader_2rank"
     d = diagnose_paths([fixture])
@@ -132,7 +131,7 @@ def test_collections_inside_fetches_are_not_the_dataloaders_wait():
     m = f.metrics
     worst = m["worst_rank"]
     s = load_probe_data([fixture])[worst].steps
-    inside = in_window(s, absolute_span_us(load_run([fixture]).traces[worst]))
+    inside = window_mask(load_run([fixture]).traces[worst], s)
     assert m["gc_in_wait_ms"] == pytest.approx(s["dataloader_gc_ms"][inside].mean(), abs=1e-3)
     assert m["gc_in_wait_ms"] > 0.5 * m["dataloader_ms_per_step"]  # one 300 ms pass in five steps
     replayed = d.extras["replay"]["by_cause_ms"]["dataloader_starvation"]  # the DataLoader part whole

@@ -32,7 +32,7 @@ import pandas as pd
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
-from diagnose.probedata import every_step_last, every_step_lateness
+from diagnose.probedata import every_step_last
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -100,9 +100,9 @@ def _late_rows(ctx: Context, n: int = 4) -> tuple:
                                f"(step {int(r.step)})") for r in top.itertuples())
 
 
-def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...], every: pd.DataFrame | None = None) -> Check:
+def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...], every: pd.DataFrame) -> Check:
     """straggler_ranks: the ranks the straggler check flagged (none: it flagged nothing); every:
-    the probes' every_step_lateness, where the caller has it."""
+    the probes' every_step_lateness (probedata), which the straggler check reads too."""
     run = ctx.run
     if len(run.ranks) < 2:
         return not_measurable(ID, TITLE, f"only rank {run.ranks[0]}'s trace: uneven work needs at least two ranks")
@@ -123,7 +123,7 @@ def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...], ever
             f"ranks {rank_ranges(straggler_ranks)}"
         return Check(id=ID, title=TITLE, status="passed", measured_ms=round(beyond, 3) if beyond is not None else None,
                      reason=f"the waiting at collectives is first the straggler check's ({who})" + more)
-    by_every = _slowest_by_every_step(every_step_lateness(ctx.probes) if every is None else every)
+    by_every = _slowest_by_every_step(every)
     profiled = _slowest_by_profiled_step(ctx.table) if not ctx.table.empty else pd.Series(dtype=int)
     use_every = len(by_every) >= MIN_EVERY_STEPS
     slowest = by_every if use_every else profiled

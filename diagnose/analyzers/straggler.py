@@ -249,11 +249,9 @@ def _name(ctx: Context, th: Thresholds, effect: dict[int, float] | None, latenes
     return named, [], then
 
 
-def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None,
-              every: pd.DataFrame | None = None) -> LateRank | None:
+def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None, every: pd.DataFrame) -> LateRank | None:
     """The ranks named (by_effect, else the rank most often last at the matched collectives) and
-    the chance tests on them (None: nothing to match). every: the probes' every_step_lateness,
-    where the caller has it."""
+    the chance tests on them (None: nothing to match). every: the probes' every_step_lateness."""
     pc = ctx.matched.per_collective
     if len(ctx.run.ranks) < 2 or pc.empty:
         return None
@@ -276,7 +274,6 @@ def late_rank(ctx: Context, th: Thresholds, by_effect: list[int] | None = None,
                                        "p_last_more_than_chance": round(p_last, 4),
                                        "p_late_on_average": round(p_late, 4),
                                        "p_late_per_step": round(p_step, 4)}
-    every = every_step_lateness(ctx.probes) if every is None else every
     if not every.empty:
         key = ["step", "group", "seq"]
         per = every_step_last(every)

@@ -32,14 +32,15 @@ import numpy as np
 from diagnose.ingest.assemble import absolute_span_us
 from diagnose.ingest.load import RankTrace
 from diagnose.probedata import ProbeData, has_device_times, job_step_ms
+from diagnose.thresholds import DEFAULT
 
 WINDOW_UNLIKE_RUN = 0.25
 """The window's mean (or median) step this much above or below the run's: said beside the verdict."""
 MIN_OTHERS = 10
 """Steps recorded outside the window, at the least, for the run to be set against it."""
-GC_IN_WINDOW = 0.05
+GC_IN_WINDOW = DEFAULT.gc_pause
 """Full collections inside the window taking this share of its mean step (the gc_pause check's
-floor, Thresholds.gc_pause): said beside the verdict."""
+default floor): said beside the verdict."""
 SLACK_US = 1000.0
 """A step record lies in the window when it starts and ends within this of the trace's span."""
 
@@ -153,8 +154,8 @@ def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData
     gc_per_step = 0.0
     for r, t in traces.items():
         p = probes.get(r)
-        span = absolute_span_us(t)
-        if p is None or p.steps.empty or span is None or not t.meta.get("baseTimeNanoseconds"):
+        inside = window_mask(t, p.steps) if p is not None and not p.steps.empty else None
+        if inside is None:
             continue
         if str(p.meta.get("device", "")).startswith("cuda") and not has_device_times(p):
             # a host that runs ahead of its device ends its steps early until the launch queue
@@ -162,7 +163,6 @@ def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData
             continue
         s = p.steps
         dur = job_step_ms(s)  # the device's step where timed, as the checks read it
-        inside = in_window(s, span)
         ok = ~np.isnan(dur)
         w, o = dur[inside & ok], dur[~inside & ok]
         if not len(w) or len(o) < MIN_OTHERS:
