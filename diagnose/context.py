@@ -17,6 +17,7 @@ from diagnose.probedata import ProbeData
 from diagnose.step.breakdown import breakdown_table
 from diagnose.step.collectives import Matched, group_wait_ms, late_group, match_collectives, wait_for_group
 from diagnose.step.graph import build_graph
+from diagnose.step.pauses import Pauses, run_pauses
 from diagnose.step.cover import column
 from diagnose.thresholds import DEFAULT, Thresholds
 from diagnose.whatif import StepModel, step_model
@@ -39,6 +40,9 @@ class Context:
     disk, read back by each replay (GraphOnDisk). None when it could not be built (model_error
     says why)."""
     model_error: str | None = None
+    pauses: dict[int, Pauses] = field(default_factory=dict)
+    """Each rank's garbage collections the probes placed in its profiled steps (step/pauses.py),
+    where the step model carries them as their own part; empty where it has none."""
     late_groups: tuple[tuple[int, ...], ...] = ()
     """Ranks late at the collectives by a wide gap over the rest (fewer than half of them), whose
     being brought to the median rank the replay confirms is worth the straggler threshold, in the
@@ -179,8 +183,10 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
     matched = match_collectives(run).on_disk(spill)
     give_back_freed()  # between phases: what each one built and dropped (heap.give_back_freed)
     model, error = None, None
+    pauses = run_pauses(run, probes or {})
     try:
-        model = step_model(build_graph(run, spill=spill), spill)  # built into the spill (build_graph: why)
+        # built into the spill (build_graph: why), the probes' garbage collections a part of its own
+        model = step_model(build_graph(run, spill=spill, pauses=pauses), spill)
         give_back_freed()
     except Exception as exc:  # noqa: BLE001 - the checks' own estimates stand without the replay
         error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]
@@ -189,4 +195,4 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
     table = breakdown_table(run, matched)
     matched = matched.on_disk(spill)  # wait_for_group's, where it made one
     return Context(run=run, matched=matched, table=table, probes=probes or {}, model=model,
-                   model_error=error, late_groups=groups)
+                   model_error=error, pauses=pauses if model is not None else {}, late_groups=groups)

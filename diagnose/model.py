@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.16"
+SCHEMA_VERSION = "1.17"
 
 FindingId = Literal[
     "dataloader_starvation",
@@ -89,6 +89,10 @@ class Finding:
     kind: Literal["time", "capacity"] = "time"
     """'capacity' findings (device memory) cost no step time: recoverable_ms is 0 and they
     rank after every time finding; their verdict is the check's reason."""
+    over: Literal["window", "run"] = "window"
+    """What recoverable_ms is a mean over: the profiled steps (the step graph's replay of them
+    replaces the check's own figure), or the probes' every-step record of the run (kept; the
+    replay's figure for the profiled steps, where it has one, is the metric beside it)."""
 
 
 @dataclass(frozen=True, slots=True)

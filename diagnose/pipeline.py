@@ -104,7 +104,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     # (#20), the replays on top of what the extras keep for the report had they gone first. The
     # extras see the findings as the checks gave them, as the report's choice of ranks always has.
     extras = report_extras(ctx, checks, findings, th, link)
-    window = window_against_run(run.traces, probes or {})
+    window = window_against_run(run.traces, probes or {}, frozenset(ctx.pauses))
     if window is not None:
         extras["window"] = window.as_dict()
         if window.unlike:
@@ -114,7 +114,7 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
     give_back_freed()
     if replayed is not None:
         findings, checks, extras["replay"] = replayed
-    if window is not None and "collections" in window.kinds:
+    if window is not None and "collections" in window.kinds and not window.collections_placed:
         findings, checks = _window_collected(findings, checks)
     if not findings and (waited := unnamed_wait(table, th.straggler)) is not None:
         extras["unnamed_wait"] = waited
@@ -123,16 +123,12 @@ def diagnose_run(run: Run, th: Thresholds = DEFAULT, probes: dict[int, ProbeData
                      skipped=tuple(run.skipped), extras=extras)
 
 
-OVER_THE_RUN = frozenset({"gc_pause", "fail_slow", "checkpoint_io"})
-"""Findings measured over the probes' every-step record, not over the profiled steps."""
-
-
 def _window_collected(findings: list[Finding], checks: list[Check]) -> tuple[list[Finding], list[Check]]:
-    """Full garbage collections ran inside the profiled steps (step/window.py): every figure
-    measured there carries them as whatever the process was doing when each began, so those
-    findings' confidence is low (the caution beside the verdict says why); capacity findings
-    (device memory) cost no time and keep theirs."""
-    low = {f.id: replace(f, confidence="low") for f in findings if f.id not in OVER_THE_RUN and f.kind != "capacity"}
+    """Full garbage collections ran inside the profiled steps (step/window.py) that the step model
+    does not carry as its own part: every figure measured there carries them as whatever the
+    process was doing when each began, so those findings' confidence is low (the caution beside
+    the verdict says why); capacity findings (device memory) cost no time and keep theirs."""
+    low = {f.id: replace(f, confidence="low") for f in findings if f.over == "window" and f.kind != "capacity"}
     out = [low.get(f.id, f) for f in findings]
     return out, [replace(c, finding=low[c.id]) if c.finding is not None and c.id in low else c for c in checks]
 

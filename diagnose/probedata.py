@@ -25,6 +25,7 @@ import pandas as pd
 
 from diagnose.errors import one_line
 from diagnose.ingest import jsonsafe
+from diagnose.probes.core import MAX_GC_PASSES  # read a step record, as many as the probes write
 from diagnose.probes.safefs import UnsafePath, open_regular, read_regular
 from diagnose.probes.telemetry import SIGNALS as TELEMETRY_SIGNALS  # a missing one is NaN here, never 0
 from diagnose.rundir import ATTEMPT
@@ -46,6 +47,7 @@ MAX_TELEMETRY_LINES = 100_000
 STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "comm_ms", "device_ms", "first_batch_ms", "gc_ms",
                 "gc_full", "gc_full_ms", "dataloader_gc_ms"]
 COLLECTIVE_COLUMNS = ["step", "seq", "name", "arrival", "dur_ms", "bytes", "group"]
+GC_PASS_COLUMNS = ["step", "start", "dur_ms", "generation", "in_fetch"]
 OPTIONAL_STEP_FIELDS = ("first_batch_ms", "gc_ms", "gc_full", "gc_full_ms", "dataloader_gc_ms")
 """Step-record fields the probes write only when non-zero (and older probes not at all): read as 0."""
 
@@ -64,6 +66,10 @@ class ProbeData:
     inside the fetches); warm-up step 0 excluded."""
     collectives: pd.DataFrame
     """step, seq, name, arrival (epoch s), dur_ms, bytes, group."""
+    gc_passes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """step, start (epoch s), dur_ms, generation, in_fetch (bool: inside a DataLoader fetch): each
+    full collection, and each middle-generation one of a millisecond or more, where it ran (probes
+    whose metadata `gc` says `placed`; empty otherwise)."""
     partial: bool = False
     warnings: tuple[str, ...] = field(default_factory=tuple)
     telemetry: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -126,7 +132,7 @@ class _Columns:
     """Step records parsed straight into typed columns (no dict kept per step)."""
 
     __slots__ = ("step", "start", "dur", "dl", "comm", "optional", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
-                 "c_bytes", "c_group", "d_step", "d_ms", "codes")
+                 "c_bytes", "c_group", "d_step", "d_ms", "g_step", "g_start", "g_dur", "g_gen", "g_fetch", "codes")
 
     def __init__(self, codes: dict[str, int]) -> None:
         self.step, self.c_step = array("q"), array("q")
@@ -135,6 +141,8 @@ class _Columns:
         self.c_seq, self.c_name, self.c_group = array("q"), array("q"), array("q")
         self.c_arrival, self.c_dur, self.c_bytes = array("d"), array("d"), array("d")
         self.d_step, self.d_ms = array("q"), array("d")  # earlier steps as the device ran them
+        self.g_step, self.g_gen, self.g_fetch = array("q"), array("q"), array("q")  # garbage collections
+        self.g_start, self.g_dur = array("d"), array("d")
         self.codes = codes  # shared string table: a collective's name and group are stored once
 
     def _code(self, s: str) -> int:
@@ -168,6 +176,19 @@ class _Columns:
         for k, column in self.optional.items():
             column.append(as_number(r.get(k, 0.0)))
         self.comm.append(as_number(r.get("comm_ms")))
+        passes = r.get("gc_passes")
+        if isinstance(passes, list):
+            for g in passes[:MAX_GC_PASSES]:
+                if not (isinstance(g, list) and len(g) == 4 and type(g[2]) is int and 0 < g[2] <= 2):
+                    continue
+                offset, gdur = as_number(g[0]), as_number(g[1])
+                if math.isnan(offset) or not gdur > 0:
+                    continue
+                self.g_step.append(step)
+                self.g_start.append(start + offset / 1000)
+                self.g_dur.append(gdur)
+                self.g_gen.append(g[2])
+                self.g_fetch.append(1 if g[3] == 1 else 0)
         colls = r.get("collectives")
         if not isinstance(colls, list):
             return
@@ -187,8 +208,8 @@ class _Columns:
             self.c_group.append(self._code(str(c[4])))
 
 
-def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The chunks' columns joined in order, as the steps and collectives frames. Each column's
+def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The chunks' columns joined in order, as the steps, collectives and gc passes frames. Each column's
     chunks are dropped once joined, so the peak holds about one extra column, not a second copy."""
     def col(name: str, dtype) -> np.ndarray:
         parts = [np.frombuffer(getattr(c, name), dtype=dtype) for c in chunks if len(getattr(c, name))]
@@ -218,15 +239,19 @@ def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame
                           "dataloader_ms": col("dl", np.float64), "comm_ms": col("comm", np.float64),
                           "device_ms": device, **{k: optional(k) for k in OPTIONAL_STEP_FIELDS}},
                          columns=STEP_COLUMNS, copy=False)
+    g_step = col("g_step", np.int64)
+    passes = pd.DataFrame({"step": g_step, "start": col("g_start", np.float64), "dur_ms": col("g_dur", np.float64),
+                           "generation": col("g_gen", np.int64), "in_fetch": col("g_fetch", np.int64) > 0},
+                          columns=GC_PASS_COLUMNS, copy=False) if len(g_step) else pd.DataFrame()
     names = np.array(list(codes), dtype=object)
     c_step = col("c_step", np.int64)
     if not len(c_step):
-        return steps, pd.DataFrame()
+        return steps, pd.DataFrame(), passes
     colls = pd.DataFrame({"step": c_step, "seq": col("c_seq", np.int64), "name": names[col("c_name", np.int64)],
                           "arrival": col("c_arrival", np.float64), "dur_ms": col("c_dur", np.float64),
                           "bytes": col("c_bytes", np.float64), "group": names[col("c_group", np.int64)]},
                          columns=COLLECTIVE_COLUMNS, copy=False)
-    return steps, colls
+    return steps, colls, passes
 
 
 def _lines_newest_first(f: BinaryIO, size: int) -> Iterator[bytes | None]:
@@ -313,10 +338,19 @@ def _read_steps(path: Path, into: _StepRead, budget: int) -> None:
             flush()
 
 
-def load_steps(files: dict[str, Path], max_lines: int = MAX_STEP_LINES) -> tuple[pd.DataFrame, pd.DataFrame,
-                                                                                  bool, list[str]]:
-    """Steps and collectives from a rank's step logs (the rotated `.1` generation holds older steps),
-    the newest max_lines lines in all; whether the log ends in a cut line; warnings naming files."""
+@dataclass(frozen=True, slots=True)
+class StepLog:
+    steps: pd.DataFrame
+    collectives: pd.DataFrame
+    gc_passes: pd.DataFrame
+    partial: bool
+    """The log ends in a cut line (the rank died mid-write)."""
+    warnings: list[str]
+
+
+def load_steps(files: dict[str, Path], max_lines: int = MAX_STEP_LINES) -> StepLog:
+    """Steps, collectives and garbage collections from a rank's step logs (the rotated `.1`
+    generation holds older steps), the newest max_lines lines in all; warnings naming files."""
     codes: dict[str, int] = {}
     chunks: list[_Columns] = []
     partial, warnings, used = False, [], 0
@@ -341,8 +375,8 @@ def load_steps(files: dict[str, Path], max_lines: int = MAX_STEP_LINES) -> tuple
         if read.too_long:
             warnings.append(f"{one_line(files[key].name)}: {read.too_long} line(s) longer than "
                             f"{MAX_STEP_LINE_BYTES >> 20} MiB skipped")
-    steps, colls = _frames(chunks[::-1], codes)
-    return steps, colls, partial, warnings
+    steps, colls, passes = _frames(chunks[::-1], codes)
+    return StepLog(steps=steps, collectives=colls, gc_passes=passes, partial=partial, warnings=warnings)
 
 
 def load_telemetry(path: Path, max_lines: int = MAX_TELEMETRY_LINES) -> tuple[pd.DataFrame, list[str]]:
@@ -383,8 +417,9 @@ def probe_from_rows(rank: int, meta: dict, rows: list, partial: bool = False,
     chunk = _Columns(codes)
     for r in rows:
         chunk.add(r)
-    steps, colls = _frames([chunk], codes)
-    return ProbeData(rank=rank, meta=meta, steps=steps, collectives=colls, partial=partial, warnings=warnings)
+    steps, colls, passes = _frames([chunk], codes)
+    return ProbeData(rank=rank, meta=meta, steps=steps, collectives=colls, gc_passes=passes, partial=partial,
+                     warnings=warnings)
 
 
 def _schedule(value) -> dict | None:
@@ -454,14 +489,15 @@ def load_probe_data(paths: list[str | Path]) -> dict[int, ProbeData]:
                 meta = read_meta(files["probe.json"])
             except ValueError as exc:
                 warnings.append(f"{exc}: sidecar ignored")
-        steps, colls, partial, more = load_steps(files)
-        warnings += more
+        log = load_steps(files)
+        warnings += log.warnings
         telemetry = pd.DataFrame()
         if "telemetry.jsonl" in files:
             telemetry, more = load_telemetry(files["telemetry.jsonl"])
             warnings += more
-        out[rank] = ProbeData(rank=rank, meta=meta, steps=steps, collectives=colls, partial=partial,
-                              warnings=tuple(warnings), telemetry=telemetry)
+        out[rank] = ProbeData(rank=rank, meta=meta, steps=log.steps, collectives=log.collectives,
+                              gc_passes=log.gc_passes, partial=log.partial, warnings=tuple(warnings),
+                              telemetry=telemetry)
     return out
 
 

@@ -26,6 +26,10 @@ The edits, one per cause:
 - host_sync: sync drains removed; launch_overhead: host-launch gaps halved;
 - reduce_dtype: each bandwidth-bound fp32 gradient reduction's transfer halved (half the bytes in
   bf16); given only where the check flags it (on an fp32 model it is no cause);
+- gc_pause: the garbage collections the probes placed in the profiled steps removed (step/pauses.py;
+  CPU ranks). Its finding is sized over the run (`Finding.over`): the replay's figure for the
+  profiled steps is a metric beside it. The straggler's median edit leaves that part where it is:
+  a collection is no work to share out;
 - input_stall: blocking input copies removed: the idle model's input class and the device's time on
   pageable input copies alone (an upper bound: pinned, a copy still takes its bytes over the
   link's pinned rate; recorded on an H200, 64 MiB took 9.1 ms pageable and 1.2 ms pinned, and the
@@ -89,6 +93,8 @@ EDITS: dict[str, Edit] = {
     "launch_overhead": _parts({"idle_launch": 0.5}),
     "host_sync": _parts({"idle_sync": 1.0}),
     "reduce_dtype": _reduce_bf16,
+    # composed last in StepModel.without: the median edit reads the part it removes
+    "gc_pause": _parts({"gc": 1.0}),
 }
 READS_TRANSFERS = frozenset({"reduce_dtype", "best_transfer"})
 """Edits that start from the transfers (they shrink them); the others pass them through as given
@@ -108,6 +114,7 @@ EDIT_TEXT = {
     "launch_overhead": "host-launch gaps halved",
     "host_sync": "every synchronising drain removed",
     "reduce_dtype": "each bandwidth-bound fp32 gradient reduction's transfer halved (bf16 on the wire)",
+    "gc_pause": "every garbage collection placed in the profiled steps removed",
 }
 # the critical-path parts each finding owns
 CRITICAL_PARTS: dict[str, tuple[str, ...]] = {
@@ -117,6 +124,7 @@ CRITICAL_PARTS: dict[str, tuple[str, ...]] = {
     "launch_overhead": ("idle_launch",),
     "host_sync": ("idle_sync",),
     "device_wait": ("idle_queued",),
+    "gc_pause": ("gc",),
 }
 
 
@@ -179,7 +187,8 @@ class StepModel:
     def without(self, causes: dict[str, tuple[int, ...]]) -> float:
         """Replayed mean step (ms) with all these causes removed together."""
         w, tr = self.graph.lane_parts.total, None
-        for cause, ranks in causes.items():
+        # the collections' removal last: the median edit sets apart the part it removes, read from w
+        for cause, ranks in sorted(causes.items(), key=lambda c: c[0] == "gc_pause"):
             e = self.edit(cause, ranks, w, tr)
             if e is not None:
                 w, tr = e
@@ -224,9 +233,11 @@ def _replayed(f: Finding, ms: float, base_ms: float, th: Thresholds) -> Finding:
 def finding_saving(m: StepModel, f: Finding) -> float | None:
     """What the replay gives back with f's cause removed, less what the probes say its part of the
     graph carried that removing the cause would not remove: garbage collections that ran inside
-    DataLoader fetches (`gc_in_wait_ms`; they would stop the process elsewhere). None: not modelled."""
+    DataLoader fetches and that the graph does not carry as its own part (`gc_in_wait_unplaced_ms`:
+    a GPU rank's, a short one's, older probes'; they would stop the process elsewhere). None: not
+    modelled."""
     ms = m.saving(f.id, tuple(f.ranks))
-    return None if ms is None else max(ms - float(f.metrics.get("gc_in_wait_ms", 0.0)), 0.0)
+    return None if ms is None else max(ms - float(f.metrics.get("gc_in_wait_unplaced_ms", 0.0)), 0.0)
 
 
 def annotate(findings: tuple[Finding, ...], m: StepModel, th: Thresholds,
@@ -245,12 +256,12 @@ def annotate(findings: tuple[Finding, ...], m: StepModel, th: Thresholds,
             flagged[f.id] = tuple(f.ranks)
         if f.id == "exposed_communication" and (best := m.saving("best_transfer")) is not None:
             extra["replay_at_best_transfer_ms"] = round(best, 3)
-        if f.id in CRITICAL_PARTS:
+        if f.id in CRITICAL_PARTS and (ms is not None or f.over == "window"):  # not 0 for a cause the graph lacks
             extra["critical_path_ms"] = round(sum(cp.by_part_ms.get(p, 0.0) for p in CRITICAL_PARTS[f.id]), 3)
         elif f.id == "straggler":
             extra["critical_path_ms"] = round(sum(cp.by_rank_ms.get(r, 0.0) for r in f.ranks), 3)
         f = replace(f, metrics={**f.metrics, **extra}) if extra else f
-        if ms is not None and m.trusted:
+        if ms is not None and m.trusted and f.over == "window":
             f = _replayed(f, ms, base.mean_step_ms, th)
         out.append(f)
     every = {c: (straggler_ranks if c == "straggler" else ()) for c in EDITS

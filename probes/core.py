@@ -47,6 +47,11 @@ log = logging.getLogger("diagnose.probes")
 # Set in the environment by the process that claimed a rank: its children inherit RANK from the
 # launcher, but they are not that rank (an evaluation subprocess, a helper that steps an optimizer).
 ENV_OWNER = "DIAGNOSE_PROBE_OWNER"
+GC_PASS_MS = 1.0
+"""A middle-generation collection this long or longer has its place in the step recorded (full
+passes always): shorter ones are summed only (gc_ms), too short to move a figure."""
+MAX_GC_PASSES = 64
+"""Collections placed a step, at most (a step that collects more is summed all the same)."""
 
 
 @dataclass(slots=True)
@@ -137,6 +142,11 @@ class StepRecord:
     dataloader_gc_ms: float = 0.0
     """Of dataloader_ms, garbage collections that ran during the fetches (a pass that begins
     inside one reads as the DataLoader's wait in the trace); written only when non-zero."""
+    gc_passes: list = field(default_factory=list)
+    """[offset ms from step start, duration ms, generation, inside a DataLoader fetch (0/1)] for
+    each full pass and each middle-generation pass of GC_PASS_MS or more: where in the step the
+    process stopped, so the analysis sets that time apart from what the trace shows it doing then.
+    The offset can be negative: a pass during the previous step's boundary work."""
     collectives: list = field(default_factory=list)
     """[name, arrival offset ms from step start, duration ms, bytes, group] per collective."""
     spans: list = field(default_factory=list)
@@ -181,6 +191,9 @@ class Probe:
         self.gc_clock_ms = 0.0
         """Time in timed garbage collections since the probe started (never reset): a fetch reads it
         before and after to know the collections inside it."""
+        self.fetching = 0
+        """DataLoader fetches in progress (patches._TimedIter): a collection then is marked inside one."""
+        self._gc_passes: list = []
         self._colls: list = []
         self._spans: list = []
         self._pending_cuda: list = []
@@ -262,13 +275,18 @@ class Probe:
         if first:
             self._dl_first_ms += seconds * 1000.0
 
-    def on_gc(self, seconds: float, generation: int) -> None:
-        """One garbage collection of `generation` (2: a full pass), from gc.callbacks."""
-        self._gc_ms += seconds * 1000.0
-        self.gc_clock_ms += seconds * 1000.0
+    def on_gc(self, seconds: float, generation: int, start: float | None = None) -> None:
+        """One garbage collection of `generation` (2: a full pass) that began at `start`
+        (time.perf_counter()), from gc.callbacks. Takes no lock: a collection can run while this
+        thread holds one (an allocation inside on_collective), and list.append is atomic."""
+        ms = seconds * 1000.0
+        self._gc_ms += ms
+        self.gc_clock_ms += ms
         if generation >= 2:
             self._gc_full += 1
-            self._gc_full_ms += seconds * 1000.0
+            self._gc_full_ms += ms
+        if start is not None and (generation >= 2 or ms >= GC_PASS_MS) and len(self._gc_passes) < MAX_GC_PASSES:
+            self._gc_passes.append((start, ms, generation, self.fetching > 0))
 
     def on_collective(self, name: str, start: float, end: float, nbytes: int, group: str) -> None:
         """start/end are time.perf_counter() values; end may be the enqueue time of an async op."""
@@ -326,6 +344,9 @@ class Probe:
         device = (self._quietly("device timing", self._device_steps.resolved, []) if self.ok("device timing")
                   else [])
         try:
+            # a pass recorded from here on (the step's own writing) is the next step's, at a
+            # negative offset from its start
+            passes, self._gc_passes = self._gc_passes, []
             with self._lock:
                 dur_ms = (now - self._t0) * 1000.0
                 comm = min(_in_flight_ms(self._colls) + self._comm_ms, dur_ms)
@@ -334,6 +355,8 @@ class Probe:
                                  first_batch_ms=round(self._dl_first_ms, 4), gc_ms=round(self._gc_ms, 4),
                                  dataloader_gc_ms=round(self._dl_gc_ms, 4),
                                  gc_full=self._gc_full, gc_full_ms=round(self._gc_full_ms, 4),
+                                 gc_passes=[[round((t - self._t0) * 1000.0, 3), round(ms, 3), gen, int(inside)]
+                                            for t, ms, gen, inside in passes],
                                  collectives=self._colls, spans=self._spans, device=device)
                 self._colls = []
                 self._spans = []
@@ -531,6 +554,7 @@ class Probe:
                           **({"gc_ms": rec.gc_ms} if rec.gc_ms else {}),
                           **({"dataloader_gc_ms": rec.dataloader_gc_ms} if rec.dataloader_gc_ms else {}),
                           **({"gc_full": rec.gc_full, "gc_full_ms": rec.gc_full_ms} if rec.gc_full else {}),
+                          **({"gc_passes": rec.gc_passes} if rec.gc_passes else {}),
                           **({"spans": rec.spans} if rec.spans else {}),
                           **({"device_ms": rec.device} if rec.device else {})})
 

@@ -115,6 +115,7 @@ class _TimedIter:
     def __next__(self):
         t = time.perf_counter()
         gc0 = self._probe.gc_clock_ms
+        self._probe.fetching += 1
         span = None
         if self._mark is not None:
             try:
@@ -131,6 +132,7 @@ class _TimedIter:
                 except Exception:  # noqa: BLE001, S110
                     pass
             first, self._first = self._first, False
+            self._probe.fetching -= 1
             self._probe.on_data_wait(time.perf_counter() - t, first, self._probe.gc_clock_ms - gc0)
 
     def __len__(self):
@@ -473,7 +475,7 @@ def _gc(probe: Probe):
             if phase == "start":
                 started[0] = clock()
             elif started[0]:
-                probe.on_gc(clock() - started[0], generation)
+                probe.on_gc(clock() - started[0], generation, started[0])
                 started[0] = 0.0
         except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
             probe._fail("gc timing", exc)
@@ -481,7 +483,8 @@ def _gc(probe: Probe):
     if any(getattr(cb, _MARK, False) for cb in gc.callbacks):
         return None
     setattr(timed, _MARK, True)
-    probe.meta["gc"] = {"timed": True, "enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
+    # placed: each long pass's place in its step is recorded (StepRecord.gc_passes)
+    probe.meta["gc"] = {"timed": True, "placed": True, "enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
                         "frozen": gc.get_freeze_count()}
     gc.callbacks.append(timed)
 

@@ -39,6 +39,7 @@ IDLE_CAUSES: tuple[tuple[str, str, str, str], ...] = (
     ("idle_unattributed", "idle: unattributed", "#9E9E9E", "|"),
 )
 FLAGGED_COLOUR, OTHER_COLOUR = "#CC3311", "#BBBBBB"
+GC_COLOUR = "#882255"  # the step graph's garbage-collection part (diagnose/step/pauses.py)
 # ColorBrewer's RdBu reversed (plotly.py's "RdBu_r": blue early, red late), as the stops plotly.py
 # writes for that name: plotly.js knows no "RdBu_r", and its own "RdBu" is another scale
 DIVERGING = [[i / 10, c] for i, c in enumerate((
@@ -46,7 +47,7 @@ DIVERGING = [[i / 10, c] for i, c in enumerate((
     "rgb(253,219,199)", "rgb(244,165,130)", "rgb(214,96,77)", "rgb(178,24,43)", "rgb(103,0,31)"))]
 # the critical-path strip's colour per graph part (diagnose/step/graph.py PARTS)
 CRITICAL_COLOURS = {"compute": COMPONENTS[0][2], "communication": COMPONENTS[1][2], "comm_wait": COMPONENTS[1][2],
-                    "dataloader": COMPONENTS[3][2], **{k: c for k, _, c, _ in IDLE_CAUSES}}
+                    "dataloader": COMPONENTS[3][2], "gc": GC_COLOUR, **{k: c for k, _, c, _ in IDLE_CAUSES}}
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 
 # Which breakdown component shows each finding per rank, when metrics carry no

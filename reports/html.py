@@ -278,7 +278,7 @@ def _comm_groups_section(extras: dict) -> str:
 
 
 REPLAY_PARTS = {"dataloader": "DataLoader wait", "compute": "compute and host work", "communication": "communication",
-                "comm_wait": "waiting on a transfer in flight",
+                "comm_wait": "waiting on a transfer in flight", "gc": "Python garbage collection",
                 **{k: label for k, label, _, _ in charts.IDLE_CAUSES}}
 
 
@@ -292,7 +292,9 @@ def _replay_section(extras: dict, findings: list, cs: ChartSet) -> str:
         if "replay_recoverable_ms" not in m and "critical_path_ms" not in m:
             continue
         own = m.get("own_estimate_ms", f.get("recoverable_ms"))  # own_estimate_ms: the replay replaced it
-        rows.append(f'<tr><td>{esc(f.get("title"))}</td><td class=num>{fmt_ms(own)}</td>'
+        # sized over the run's every-step record: its figure is its own; the replay's is the profiled steps'
+        over = " (its figure: over the run; the replay: the profiled steps)" if f.get("over") == "run" else ""
+        rows.append(f'<tr><td>{esc(f.get("title"))}{over}</td><td class=num>{fmt_ms(own)}</td>'
                     f'<td class=num>{fmt_ms(m.get("replay_recoverable_ms"))}</td>'
                     f'<td class=num>{fmt_ms(m.get("critical_path_ms"))}</td></tr>')
     table = ('<table class="replay"><thead><tr><th>Cause</th><th class=num>Its own estimate</th>'
@@ -303,7 +305,8 @@ def _replay_section(extras: dict, findings: list, cs: ChartSet) -> str:
                                                                   _dict(cp.get("by_part_ms"))})
     chart = cs.add(fig, "Critical path of the mean step, by part") if fig is not None else ""
     err = num(rep.get("fidelity_max_error"))
-    given = ("Each finding's recoverable time above is the replayed figure." if rep.get("replaces_estimates") is True
+    given = ("Each finding's recoverable time above is the replayed figure, but for those sized over the run."
+             if rep.get("replaces_estimates") is True
              else "The replay does not reproduce the steps closely enough here: findings keep their own estimates.")
     return ('<h3 id="replay">What each fix gives back: the step graph replayed</h3>'
             '<p>Every rank\'s steps as one dependency graph (work in program order, collectives that end no earlier '

@@ -135,7 +135,8 @@ def test_collections_inside_fetches_are_not_the_dataloaders_wait():
     assert m["gc_in_wait_ms"] == pytest.approx(s["dataloader_gc_ms"][inside].mean(), abs=1e-3)
     assert m["gc_in_wait_ms"] > 0.5 * m["dataloader_ms_per_step"]  # one 300 ms pass in five steps
     replayed = d.extras["replay"]["by_cause_ms"]["dataloader_starvation"]  # the DataLoader part whole
-    assert f.recoverable_ms == pytest.approx(max(replayed - m["gc_in_wait_ms"], 0.0), abs=2e-3)
+    assert m["gc_in_wait_unplaced_ms"] == m["gc_in_wait_ms"]  # recorded before the probes placed passes
+    assert f.recoverable_ms == pytest.approx(max(replayed - m["gc_in_wait_unplaced_ms"], 0.0), abs=2e-3)
     assert f.confidence == "low" and "garbage collection inside the fetches" in \
         next(c for c in d.checks if c.id == "dataloader_starvation").reason
 
@@ -220,3 +221,10 @@ def test_the_probe_times_collections_inside_fetches(tmp_path):
     assert "dataloader_gc_ms" not in records[0]
     assert 0 < records[1]["dataloader_gc_ms"] <= records[1]["gc_full_ms"] <= records[1]["dataloader_ms"]
     assert records[2]["gc_full"] >= 1 and "dataloader_gc_ms" not in records[2]
+    # each full pass placed in its step, marked where it began inside a fetch
+    (inside,) = [g for g in records[1]["gc_passes"] if g[2] == 2]
+    assert inside[3] == 1 and 0 <= inside[0] <= inside[0] + inside[1] <= records[1]["dur_ms"] + 1e-3
+    assert inside[1] == pytest.approx(records[1]["gc_full_ms"], abs=1e-3)
+    (outside,) = [g for g in records[2]["gc_passes"] if g[2] == 2]
+    assert outside[3] == 0 and 0 <= outside[0] <= records[2]["dur_ms"]
+    assert probe.meta["gc"]["placed"] is True and probe.fetching == 0

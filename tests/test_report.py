@@ -254,7 +254,7 @@ def test_replay_section_lists_each_cause_with_its_replayed_figure():
     assert "What each fix gives back" in page and "Critical path of the mean step" in page
     from diagnose.reports.common import fmt_ms
 
-    assert "Each finding's recoverable time above is the replayed figure." in page
+    assert "Each finding's recoverable time above is the replayed figure, but for those sized over the run." in page
     for f in d["findings"]:
         m = f["metrics"]
         if "replay_recoverable_ms" in m:

@@ -271,7 +271,8 @@ def test_step_logs_keep_the_newest_lines_and_skip_overlong_ones(tmp_path):
     old.write_text(step_lines(30))
     cur.write_bytes(step_lines(10, start=31).encode() + b'{"x": "' + b"a" * (MAX_STEP_LINE_BYTES + 10) + b'"}\n'
                     + step_lines(10, start=41).encode() + b'{"step": 51, "sta')  # the job died mid-line
-    steps, colls, partial, warnings = load_steps({"steps.jsonl": cur, "steps.1.jsonl": old}, max_lines=25)
+    log = load_steps({"steps.jsonl": cur, "steps.1.jsonl": old}, max_lines=25)
+    steps, colls, partial, warnings = log.steps, log.collectives, log.partial, log.warnings
     assert list(steps["step"]) == list(range(27, 51)) and partial  # 24 steps + the long line = 25 lines
     assert list(colls["step"]) == list(range(27, 51))
     assert warnings == ["rank0.steps.jsonl: 1 line(s) longer than 4 MiB skipped"]

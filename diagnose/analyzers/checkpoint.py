@@ -183,7 +183,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                 "direct_writes": bool(direct), "every_n_steps": every, "share": share})
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
-        ranks=(worst,), metrics=metrics, events=tuple(refs[:6]), fix=fix,
+        ranks=(worst,), metrics=metrics, events=tuple(refs[:6]), fix=fix, over="run",
         confidence=confidence_for(ctx, "high" if d["n"] >= 10 else "medium"),
         method="Blocking time of the saves inside training steps (probes: every step), spread over the probed "
                "steps, on the rank that spends most; an asynchronous save would keep only the copy to host memory.")

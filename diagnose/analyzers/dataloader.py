@@ -50,7 +50,8 @@ EVAL_NAMED = 0.25
 finding says so (and from half, leads its fix with the evaluation's loader)."""
 GC_NAMED = 0.25
 """From this share of the window's DataLoader wait in garbage collections inside the fetches, the
-reason says so and the finding's confidence is low (the window caught a collection there)."""
+reason says so; where the probes did not place them in their steps (step/pauses.py), the finding's
+confidence is low too (the window caught a collection there, known by its sums only)."""
 EPOCH_LEADS = 0.5
 """From this share of the every-step record's DataLoader wait in iterators' first batches (over
 two epoch starts at least), the finding is about epoch starts: its fix leads with them."""
@@ -263,12 +264,20 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
         collected = min(collected, ms)
         own = ms - collected
         metrics["gc_in_wait_ms"] = round(collected, 3)
+        # the passes the probes placed are the step model's own part already (step/pauses.py): the
+        # replay's DataLoader part is without them, and only the rest is taken off it
+        pz = ctx.pauses.get(worst)
+        placed = pz.in_fetch_ms / max(len(tl.steps.start), 1) if pz is not None else 0.0
+        unplaced = max(collected - placed, 0.0)
+        metrics["gc_in_wait_unplaced_ms"] = round(unplaced, 3)
         own_share = own / ctx.mean_step_ms if ctx.mean_step_ms > 0 else 0.0
         # its own figure and the replay's (whatif.finding_saving) both less the collections
         f = replace(f, recoverable_ms=round(own, 3), share_of_step=round(own_share, 4), severity=th.severity(own_share))
         if collected >= GC_NAMED * ms:  # a middle generation's few tenths of a ms now and then are not worth a word
             eval_note += (f"; {collected:.1f} ms per step of it was Python's garbage collection inside the fetches "
                           "(the probes' record; the gc_pause check)")
+        if unplaced >= GC_NAMED * ms:
+            # only the record's sums say how much: where the passes lay, and what the wait hid, is not known
             f = replace(f, confidence="low")
     level = "highly input-bound" if f.share_of_step >= th.input_bound_high else "input-bound"
     return flag_or_pass(f, th.input_bound, th, f"{level}: rank {worst} waits {ms:.1f} ms per step "

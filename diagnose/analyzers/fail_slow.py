@@ -160,7 +160,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     title = f"Fail-slow: the job got slower from step {e.step} ({when(e.wall_s)}), {e.step_before_ms:.1f} -> " \
             f"{e.step_after_ms:.1f} ms per step"
     f = Finding(id=ID, title=title, severity=th.severity(share), recoverable_ms=round(e.lost_ms, 3),
-                share_of_step=round(share, 4), ranks=e.ranks, metrics=metrics, events=(),
+                share_of_step=round(share, 4), ranks=e.ranks, metrics=metrics, events=(), over="run",
                 fix=FIX_WAITED_FOR if e.waiting else FIX.get(e.cause, FIX["compute_ms"]),
                 confidence="low" if ahead else "high"
                 if min(e.step - first, last - e.step + 1) >= 3 * th.fail_slow_min_segment else "medium",

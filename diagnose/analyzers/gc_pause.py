@@ -110,7 +110,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(per_step, 3),
         share_of_step=round(share, 4), ranks=ranks, metrics=metrics, events=(), fix=fix,
-        confidence="medium" if on_device else "high",
+        confidence="medium" if on_device else "high", over="run",
         method="Mean over the probes' every-step record of the longest time any rank spent in Python's full "
                "garbage collections at that step (gc.callbacks)" + (": an upper bound where the device has work "
                                                                      "queued" if on_device else "."))

@@ -7,6 +7,8 @@
 - `collectives`: collectives matched across ranks: arrival, lateness, the wait each rank imposes.
 - `breakdown`: each rank's step split into disjoint components that sum to the step.
 - `idle`: why a GPU idles: every idle gap attributed to one cause from its launch link.
+- `pauses`: Python's garbage collections the probes placed in the profiled steps, on the trace's
+  clock: time a CPU rank stood still, a part of the graph's lanes of its own.
 - `graph`: every rank's steps as one dependency graph; its replay is where each finding's ms come
   from (`diagnose/whatif.py` edits it), held on disk between replays (`GraphOnDisk`);
   `parts`, its lane edges' composition, held by column.

@@ -52,19 +52,21 @@ from diagnose.ingest.spill import ArrayBlocks, Spill, array_stretch
 from diagnose.step.bandwidth import SMALL_MESSAGE_BYTES, collective_kind
 from diagnose.step.collectives import RowsByValue, collectives_table
 from diagnose.step.cover import LANE_SETS
-from diagnose.step.intervals import Intervals, covered, intersect, union
+from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
 from diagnose.step.parts import LaneParts, LanePartsBuilder, PartsOnDisk
+from diagnose.step.pauses import Pauses
 from diagnose.step.timeline import COLLECTIVE_COLUMNS
 
 # node kinds, in the order they are processed at equal times
 STEP_START, ARRIVAL, COLL_END, RESUME, STEP_END = range(5)
 # lane composition columns: DataLoader wait, the idle model's classes, pageable input copies (each
 # measured where the trace is read: step/cover.py), waiting on a transfer no collective end
-# explains, the rest last
-PARTS = LANE_SETS + ("comm_wait", "compute")
+# explains, Python's garbage collections (the probes' record: step/pauses.py), the rest last
+PARTS = LANE_SETS + ("comm_wait", "gc", "compute")
 """input_copy: device time on pageable input copies with no kernel alongside (busy, not idle:
-RankTimeline.input_copies)."""
-DL, COMPUTE = 0, len(PARTS) - 1
+RankTimeline.input_copies). gc: the process stopped in a collection (CPU ranks whose probes place
+them); taken out of the DataLoader's part where it began inside a fetch, else out of the rest."""
+DL, COMM_WAIT, GC, COMPUTE = 0, len(LANE_SETS), len(LANE_SETS) + 1, len(PARTS) - 1
 # edge categories on the critical path
 LANE, TRANSFER, ORDER = range(3)
 
@@ -281,10 +283,13 @@ class _Stretches:
                          np.frombuffer(self._ends, dtype=np.float64, count=b - a, offset=8 * a))
 
 
-def build_graph(run: Run, *, resume_slack_us: float = 1.0, spill: Spill | None = None) -> StepGraph | GraphOnDisk:
+def build_graph(run: Run, *, resume_slack_us: float = 1.0, spill: Spill | None = None,
+                pauses: dict[int, Pauses] | None = None) -> StepGraph | GraphOnDisk:
     """The dependency graph of every profiled step of every loaded rank; with `spill`, a
     GraphOnDisk whose node columns went to the spill each as soon as the build was done with it
-    (the graph whole in memory at the build's end set the client's height at 1,024 ranks: #20)."""
+    (the graph whole in memory at the build's end set the client's height at 1,024 ranks: #20).
+    pauses: each rank's garbage collections placed on its steps (step/pauses.py), the lane part "gc"."""
+    pauses = pauses or {}
     done: dict = {}  # the finished node columns (on disk, with a spill)
 
     def finished(name: str, a: np.ndarray) -> None:
@@ -438,7 +443,13 @@ def build_graph(run: Run, *, resume_slack_us: float = 1.0, spill: Spill | None =
         lane_w = np.maximum(b - a - covered(blocked_by_rank.get(r), a, b), 0.0)
         parts = np.zeros((lane.size - 1, len(PARTS)))
         parts[:, :len(LANE_SETS)] = run.timelines[r].cover.lane_parts(a, b, run.clock_offsets_us.get(r, 0.0))
-        parts[:, len(LANE_SETS)] = covered(comm_wait.get(r), a, b)
+        parts[:, COMM_WAIT] = covered(comm_wait.get(r), a, b)
+        if (pz := pauses.get(r)) is not None:
+            # the process stood still: lane time, never a blocked stretch; the trace showed it as the
+            # DataLoader's wait where it began inside a fetch, else as host work between ops
+            lane_blocked = blocked_by_rank.get(r)
+            parts[:, GC] = covered(subtract(pz.every, lane_blocked), a, b)
+            parts[:, DL] -= np.minimum(covered(subtract(pz.in_fetch, lane_blocked), a, b), parts[:, DL])
         # what is left is compute and host work; parts never exceed the edge
         scale = np.where(parts[:, :COMPUTE].sum(axis=1) > lane_w,
                          lane_w / np.maximum(parts[:, :COMPUTE].sum(axis=1), 1e-12), 1.0)
@@ -651,7 +662,8 @@ def _anchor_segments_of(kind: np.ndarray, rank: np.ndarray, seg: np.ndarray) -> 
 def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -> np.ndarray:
     """Lane weights with each listed rank's work brought down to the median rank's: between two
     anchors every rank has (step bounds, collective arrivals), a rank's lane time above the median
-    of the other ranks' (all ranks' when none is left) is scaled down to it."""
+    of the other ranks' (all ranks' when none is left) is scaled down to it. Garbage collections
+    (part "gc") are not work: left out of the sums and kept as they are (the gc_pause check's)."""
     w = g.lane_parts.total if w is None else w  # copied at the end, once the sums are done (#20)
     # the lane nodes that lead to an anchor, by position: every array below is theirs, not the
     # graph's (arrays the graph's length set the replay's height at 1,024 ranks, #20)
@@ -662,7 +674,8 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     rank = rank[at_h]
     key = seg[at_h].astype(np.int64) * span + rank  # one integer per (anchor, rank)
     del seg
-    per = _lane_time(w[at_h], key, rank, span)
+    paused = _cells_at(g.lane_parts.part(GC), at_h, w)
+    per = _lane_time(w[at_h] - paused, key, rank, span)
     per_seg, per_rank = np.divmod(per.index.to_numpy(), span)
     listed = np.isin(per_rank, list(ranks))
     del per_rank
@@ -679,13 +692,26 @@ def rank_at_median(g: StepGraph, ranks: set[int], w: np.ndarray | None = None) -
     # held hash tables the size of the graph): every one is there (per holds each node's key, and
     # the node's rank is listed); a NaN factor (no other rank reaches that anchor) leaves it be
     sel = np.isin(rank, list(ranks))
-    at_h, key = at_h[sel], key[sel]
+    at_h, key, paused = at_h[sel], key[sel], paused[sel]
     at = np.minimum(np.searchsorted(keys, key), keys.size - 1).astype(np.int32)
     del key, keys, sel, rank
     keep = ~np.isnan(factor[at])
     w = w.copy()
-    w[at_h[keep]] *= factor[at[keep]]
+    v, kept = at_h[keep], paused[keep]
+    w[v] = (w[v] - kept) * factor[at[keep]] + kept
     return w
+
+
+def _cells_at(part: tuple[np.ndarray, np.ndarray], nodes: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """A part's cells at these nodes (0 where it has none), never above the weights w there (an
+    edit may have removed some of the lane time already)."""
+    rows, values = part
+    out = np.zeros(nodes.size)
+    if rows.size:
+        i = np.minimum(np.searchsorted(rows, nodes), rows.size - 1)
+        hit = rows[i] == nodes
+        out[hit] = values[i[hit]]
+    return np.minimum(out, np.maximum(w[nodes], 0.0))
 
 
 RANK_BLOCK = 128
@@ -768,14 +794,21 @@ CHAIN_BLOCKS = 8
 
 
 def _chain(g: StepGraph, rep: Replay, s: int, bounds: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
-    """The critical path of step s, from its end back to its start: (node, predecessor, category).
-    bounds: _step_bounds(g), where the caller asks for several steps."""
+    """The critical path of step s, from its last rank's end back to its first rank's start, or to
+    the previous step's last end where that is later: (node, predecessor, category). Ranks out of
+    step (one paused after its last collective while the others began the next step) made
+    consecutive steps' chains overlap, and their parts summed past the step: 356 ms of critical
+    path a 235 ms step (a full garbage collection inside the window, tests/fixtures/
+    cpu_gc_in_window_2rank). bounds: _step_bounds(g), where the caller asks for several steps."""
     node, kind, step = bounds if bounds is not None else _step_bounds(g)
     ends = node[(kind == STEP_END) & (step == s)]
     starts = node[(kind == STEP_START) & (step == s)]
     if not ends.size or not starts.size:
         return None, []
     floor = rep.time[starts].min()
+    before = step[(kind == STEP_END) & (step < s)]
+    if before.size:
+        floor = max(floor, float(rep.time[node[(kind == STEP_END) & (step == before.max())]].max()))
     v = int(ends[np.argmax(rep.time[ends])])
     out = []
     while v >= 0 and rep.time[v] > floor:

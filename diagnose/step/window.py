@@ -17,10 +17,11 @@ Two ways a window is unlike the run, told apart because their remedies differ (b
   8.5 ms profiled, `examples/train_ddp.py --pathology tiny-batch`): then the trace's per-op
   figures carry that cost too.
 - `collections`: Python's full garbage collections ran inside the window (the probes time them):
-  each stopped its rank for hundreds of ms and reads, in the window's figures, as whatever the
-  process was doing when it began (a DataLoader fetch, a collective, host gaps). The gc_pause
-  check sizes them over the run; the caution names them so that the window's other figures are
-  read knowing it.
+  each stopped its rank for hundreds of ms. Where the probes placed every one of them in its step
+  and the rank is a CPU rank (step/pauses.py), the step model carries them as their own part and
+  the other figures are without them (`collections_placed`); elsewhere each reads, in the
+  window's figures, as whatever the process was doing when it began (a DataLoader fetch, a
+  collective, host gaps), and the caution says so. The gc_pause check sizes them over the run.
 Either beyond WINDOW_UNLIKE_RUN (collections: GC_IN_WINDOW) is said beside the verdict.
 """
 from __future__ import annotations
@@ -65,6 +66,8 @@ class WindowAgainstRun:
     """(rank, step, ms) of each full garbage collection inside the window, the longest first."""
     collections_ms_per_step: float = 0.0
     """Their time per profiled step, on the rank with the most."""
+    collections_placed: bool = False
+    """Every one of them is the step model's own part (step/pauses.py): the other figures are without them."""
 
     @property
     def ratio(self) -> float:
@@ -102,7 +105,8 @@ class WindowAgainstRun:
                 "ratio": round(self.ratio, 4), "median_ratio": round(self.median_ratio, 4),
                 "kinds": list(self.kinds), "unlike": self.unlike,
                 "collections": [[r, s, round(ms, 3)] for r, s, ms in self.collections[:6]],
-                "collections_ms_per_step": round(self.collections_ms_per_step, 3)}
+                "collections_ms_per_step": round(self.collections_ms_per_step, 3),
+                "collections_placed": self.collections_placed}
 
 
 def caution(w: dict) -> str:
@@ -125,9 +129,14 @@ def caution(w: dict) -> str:
                      "time (--schedule WAIT,WARMUP,ACTIVE, or `diagnose capture` on the running job) to see the run's")
     if "collections" in kinds:
         each = "; ".join(f"rank {r} at step {s}: {ms:.0f} ms" for r, s, ms in w.get("collections", [])[:3])
-        parts.append(f"full garbage collections ran inside the profiled steps ({each}): the window's figures carry "
-                     "them as whatever the process was doing when each began (a DataLoader fetch, a collective, host "
-                     "gaps); the gc_pause check sizes them over the run")
+        if w.get("collections_placed"):
+            parts.append(f"full garbage collections ran inside the profiled steps ({each}): the probes placed each in "
+                         "its step, and the other causes' figures are without them; the window's mean step carries "
+                         "them, and the gc_pause check sizes them over the run")
+        else:
+            parts.append(f"full garbage collections ran inside the profiled steps ({each}): the window's figures carry "
+                         "them as whatever the process was doing when each began (a DataLoader fetch, a collective, "
+                         "host gaps); the gc_pause check sizes them over the run")
     return "; ".join(parts)
 
 
@@ -145,9 +154,11 @@ def window_mask(trace: RankTrace, steps) -> np.ndarray | None:
     return None if span is None else in_window(steps, span)
 
 
-def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData]) -> WindowAgainstRun | None:
+def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData],
+                       placed: frozenset[int] = frozenset()) -> WindowAgainstRun | None:
     """The profiled window against the rest of the run, where both are known (None otherwise:
-    no every-step record, no absolute clock in the traces, too few steps outside the window)."""
+    no every-step record, no absolute clock in the traces, too few steps outside the window).
+    placed: the ranks whose collections in the window the step model carries (Context.pauses)."""
     means, medians, run_means, run_medians, first, last, far = [], [], [], [], [], [], []
     others = 0
     collections: list[tuple[int, int, float]] = []
@@ -189,4 +200,5 @@ def window_against_run(traces: dict[int, RankTrace], probes: dict[int, ProbeData
                             window_steps=(min(first), max(last)), slowest_step=step, slowest_ms=ms,
                             run_steps=others, ranks=len(means),
                             collections=tuple(sorted(collections, key=lambda c: -c[2])),
-                            collections_ms_per_step=gc_per_step)
+                            collections_ms_per_step=gc_per_step,
+                            collections_placed=bool(collections) and all(r in placed for r, _, _ in collections))
