@@ -46,7 +46,8 @@ Pathology flags (all off by default: a healthy run):
   --gc-heap N --gc-churn C  N long-lived Python records and ~C reference cycles a step (drawn per
                             rank and step) living eight steps: Python's full garbage collections
                             stop one rank at a time for hundreds of ms (--gc-in-loader: the Dataset
-                            makes the cycles, per sample); --gc-freeze and --gc-every K are the fixes
+                            makes the cycles, per sample); --gc-freeze and --gc-every K are the fixes;
+                            --gc-rank R: rank R alone (its Python state: metric histories, caches)
 
 A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --slow-rank R (-1: all):
   --slow-compute-ms MS      MS of extra compute per step (real CPU work, as a throttled device adds)
@@ -229,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "uneven batches, no rank slow on average")
     p.add_argument("--gc-heap", type=int, default=0,
                    help="hold this many long-lived Python objects (a dataset's per-sample records)")
+    p.add_argument("--gc-rank", type=int, default=None,
+                   help="only this rank holds the heap and makes the cycles (the others collect next to nothing)")
     p.add_argument("--gc-churn", type=int, default=0,
                    help="each step each rank makes about this many objects in reference cycles that live a "
                         "few steps (its count drawn per rank and step): the collector's full passes come at "
@@ -472,7 +475,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         prof.start()
 
     garbage = None
-    if args.gc_heap or args.gc_churn:
+    if (args.gc_heap or args.gc_churn) and args.gc_rank in (None, rank):
         garbage = Garbage(rank, args.gc_heap, args.gc_churn, args.gc_freeze, args.gc_every,
                           per_sample=args.gc_churn // args.batch_size if args.gc_in_loader else 0)
         if args.gc_in_loader:

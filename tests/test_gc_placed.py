@@ -143,3 +143,23 @@ def test_malformed_passes_in_a_step_record_are_skipped():
     p = probe_from_rows(0, {"gc": {"timed": True, "placed": True}}, rows)
     assert p.gc_passes.to_dict("records") == [{"step": 1, "start": 100.01, "dur_ms": 300.0, "generation": 2,
                                                "in_fetch": True}]
+
+
+def test_a_rank_that_collects_alone_is_first_the_collections_then_a_smaller_straggler():
+    fixture = FIXTURES / "cpu_gc_one_rank_2rank"
+    passes = _window_passes(fixture)
+    assert {r: [s for s, _, _ in v] for r, v in passes.items()} == {0: [10, 16], 1: []}
+    d = diagnose_paths([fixture])
+    assert [f.id for f in d.findings] == ["gc_pause", "straggler"]
+    gc, late = d.findings
+    assert gc.ranks == (0,) and late.ranks == (0,)
+    steps = d.extras["replay"]["critical_path"]["steps"]
+    stopped = sum(ms for _, ms, _ in passes[0]) / steps
+    m = late.metrics
+    # the reason says how much of the rank's excess host time was its collections, and the replay
+    # (the named rank to the median, the collections kept) gives back the rest, not the wait
+    assert m["late_rank_extra_gc_ms"] == pytest.approx(stopped, abs=1.0)
+    assert "ms per step of it in Python garbage collections" in next(c for c in d.checks if c.id == "straggler").reason
+    excess = m["late_rank_extra_other_ms"]
+    assert late.recoverable_ms < excess - 0.8 * stopped
+    assert late.recoverable_ms < 0.5 * m["own_estimate_ms"]

@@ -39,7 +39,8 @@ RECORDED = ["cpu_straggler_2rank", "cpu_straggler_dataloader_2rank", "cpu_checkp
             "cpu_hf_lengths_2rank", "cpu_hf_grouped_2rank", "cpu_epoch_starts_2rank",
             "cpu_epoch_sampler_2rank", "cpu_epoch_no_workers_2rank", "cpu_gc_pauses_2rank",
             "cpu_gc_every_2rank", "cpu_gc_in_window_2rank",
-            "cpu_gc_in_loader_2rank", "cpu_gc_placed_2rank", "cpu_gc_placed_loader_2rank"] + [f"gpu_h200/{d.name}" for d in sorted((FIXTURES / "gpu_h200").iterdir()) if d.is_dir()]
+            "cpu_gc_in_loader_2rank", "cpu_gc_placed_2rank", "cpu_gc_placed_loader_2rank",
+            "cpu_gc_one_rank_2rank"] + [f"gpu_h200/{d.name}" for d in sorted((FIXTURES / "gpu_h200").iterdir()) if d.is_dir()]
 
 
 def _round(x):

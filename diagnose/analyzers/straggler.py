@@ -59,7 +59,7 @@ import pandas as pd
 from diagnose.analyzers import imbalance
 from diagnose.analyzers.chance import binom_sf, mean_positive_p
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
-from diagnose.analyzers.why_late import reduce, why_late  # noqa: F401 - reduce: the checklist entry's
+from diagnose.analyzers.why_late import ALSO_SHARE, reduce, why_late  # noqa: F401 - reduce: the checklist entry's
 from diagnose.context import Context
 from diagnose.errors import one_line
 from diagnose.model import Check, Finding
@@ -421,6 +421,11 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
             metrics["late_from"] = w.source + w.detail
             reason += (f"; {subject} late from {w.source} (+{w.excess[w.key]:.1f} ms per step against the median "
                        f"rank){w.detail}")
+            if w.paused_ms >= ALSO_SHARE * w.excess[w.key]:
+                # the breakdown cannot tell a collection from the time it stopped (step/pauses.py)
+                metrics["late_rank_extra_gc_ms"] = w.paused_ms
+                reason += (f", {w.paused_ms:.1f} ms per step of it in Python garbage collections (the gc_pause "
+                           "check's; the replay sets them apart)")
         for k, v in w.excess.items():
             metrics[f"late_rank_extra_{k}"] = v
         if w.ops:

@@ -159,6 +159,10 @@ class WhyLate:
     """GPU ranks late from device idle: the idle class it has most more of, as ", mostly ..."."""
     also: tuple[tuple[str, str, float], ...] = ()
     """Other components it has ALSO_SHARE of the largest excess or more: (key, label, ms per step)."""
+    paused_ms: float = 0.0
+    """Its excess in garbage collections the probes placed in the profiled steps (step/pauses.py),
+    ms per step: inside the breakdown's components (host gaps, the DataLoader), which do not know
+    them apart."""
 
     @property
     def ops_explain(self) -> bool:
@@ -206,4 +210,17 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
                                                              else "") for n, v in top_ops.items())
         ops_ms = float(d_ms[d_ms > 0].sum())
     return WhyLate(source, top if source else None, {k: round(float(v), 3) for k, v in excess.items()}, ops,
-                   round(ops_ms, 3), detail, also)
+                   round(ops_ms, 3), detail, also, round(_paused_excess(ctx, rank), 3))
+
+
+def _paused_excess(ctx: Context, rank: int) -> float:
+    """The rank's placed garbage collections per profiled step above the median other rank's."""
+    def per_step(r: int) -> float:
+        pz = ctx.pauses.get(r)
+        n = len(ctx.run.timelines[r].steps.start)
+        return pz.ms / n if pz is not None and n else 0.0
+
+    if not ctx.pauses:
+        return 0.0
+    others = [per_step(r) for r in ctx.run.ranks if r != rank]
+    return max(per_step(rank) - float(np.median(others)), 0.0) if others else 0.0
