@@ -25,6 +25,8 @@ Pathology flags (all off by default: a healthy run):
   --straggler-rank R        rank R sleeps --straggler-ms before each backward (arrives late at all-reduce)
   --batch-size small        with a wide model: tiny micro-batch, per-op overhead dominates
   --bucket-cap-mb tiny      many small all-reduces
+  --manual-sync             no DDP: each parameter's gradient all-reduced in turn after the backward,
+                            blocking (a hand-written data-parallel loop; DDP is the fix)
   --grad-accum N            N micro-batches per optimizer step, the first N-1 under DDP's no_sync()
   --sync-every-micro-batch  ... without no_sync(): gradients all-reduced after every micro-batch
   --autocast bf16           forward under torch.autocast(dtype=bfloat16): bf16 compute, fp32 parameters
@@ -207,6 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="2: SGD on the first layer and Adam on the rest, both stepped each iteration")
     p.add_argument("--no-ddp", action="store_true",
                    help="train each rank independently (process group up, no gradient sync)")
+    p.add_argument("--manual-sync", action="store_true",
+                   help="no DDP: after backward, all-reduce each parameter's gradient in turn, blocking (a "
+                        "hand-written data-parallel loop)")
     p.add_argument("--stall-rank", type=int, default=-1, help="this rank sleeps --stall-s once, at --stall-at-step")
     p.add_argument("--stall-at-step", type=int, default=0)
     p.add_argument("--stall-s", type=float, default=0.0)
@@ -428,7 +433,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
     torch.set_num_threads(1)  # ranks share a small host: keep them from fighting over cores
 
     model = build_model(args).to(device)
-    if distributed and not args.no_ddp:
+    if distributed and not (args.no_ddp or args.manual_sync):
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         if args.comm_hook == "bf16":
             model.register_comm_hook(None, bf16_gloo_hook)  # DDP refuses gloo for a hook named bf16_compress_hook
@@ -533,6 +538,10 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
                 loss.backward()
         if ran_out:
             break
+        if args.manual_sync and distributed:
+            for p in model.parameters():  # one blocking collective per tensor, after the whole backward
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
         if garbage is not None:
             garbage.step(step)
         if fault and args.slow_compute_ms:

@@ -99,3 +99,24 @@ def test_small_buckets_needs_the_recorded_cap_below_the_default_and_a_real_split
     assert small_buckets(5, 60 * mb, 10.0) is None  # 60 MB takes 3 default buckets: 5 is under twice that
     note, fix = small_buckets(6, 60 * mb, 10.0)
     assert "would take 3" in note and "into 6 buckets (bucket_cap_mb=10)" in fix
+
+
+def test_many_small_collectives_the_loop_issues_itself_are_told_to_use_ddp():
+    """No DDP in the trace (cpu_manual_sync_2rank: one blocking all-reduce per parameter after the
+    backward): the fix is DDP itself, not a DDP setting the job does not have."""
+    from diagnose.analyzers.communication import FIX_TINY, FIX_TINY_LOOP, MANY_COLLECTIVES
+
+    root = Path(__file__).parent / "fixtures" / "cpu_manual_sync_2rank"
+    per_step = [b for p in sorted(root.glob("rank*.pt.trace.json.gz")) for b in _raw_per_step(p)]
+    assert {len(b) for b in per_step} == {54} and 54 >= MANY_COLLECTIVES
+    evs = [e for e in json.load(gzip.open(next(root.glob("rank0.*.pt.trace.json.gz")), "rt"))["traceEvents"]
+           if e.get("ph") == "X"]
+    assert not any("DistributedDataParallel" in str(e.get("name")) for e in evs)
+    d = fixture_diagnosis(root)
+    f = d.findings[0]
+    assert f.id == "exposed_communication" and f.fix == FIX_TINY_LOOP
+    assert "issued by the training loop itself" in next(c for c in d.checks if c.id == f.id).reason
+    # a DDP job is never said to issue its collectives itself
+    (c,) = [c for c in fixture_diagnosis(TINY).checks if c.id == "exposed_communication"]
+    assert c.finding.fix != FIX_TINY_LOOP and "issued_by" not in c.finding.metrics
+    assert FIX_TINY.startswith("Collectives are many and small: raise DDP bucket_cap_mb")

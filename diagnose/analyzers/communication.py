@@ -39,6 +39,10 @@ FIX = ("Hide or shrink communication: let DDP overlap it (bucket_cap_mb=25..100,
        "compress gradients (bf16/fp16 comm hook); check the interconnect and NCCL topology (NCCL_DEBUG=INFO).")
 FIX_TINY = ("Collectives are many and small: raise DDP bucket_cap_mb (default 25) so gradients travel "
             "in a few large buckets, and avoid per-parameter all-reduce calls.")
+FIX_TINY_LOOP = ("Collectives are many and small, and the training loop issues them itself (no DDP or FSDP in the "
+                 "trace): wrap the model in DistributedDataParallel, which all-reduces gradients in ~25 MB buckets "
+                 "while the backward still runs, or flatten the gradients into one buffer and all-reduce it once "
+                 "(torch._utils._flatten_dense_tensors), not a call per parameter.")
 FIX_FSDP = ("Hide or shrink FSDP's communication: prefetch the next unit's all-gather (FSDP2: "
             "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch; FSDP1: forward_prefetch=True, "
             "backward_prefetch=BackwardPrefetch.BACKWARD_PRE); shard fewer, larger units (fully_shard on blocks, "
@@ -80,12 +84,26 @@ def reduce(trace: RankTrace, tl: RankTimeline) -> Stack:
     return Stack(ddp=runs(DDP_FORWARD), fsdp=runs(FSDP_SPANS), tensor_parallel=runs(FUNCTIONAL) and runs(REDISTRIBUTE))
 
 
+def _stacks(ctx: Context) -> list[Stack] | None:
+    """Each rank's Stack; None where the run was read without the per-rank phase, or it failed on a
+    rank (the fix is all it costs)."""
+    try:
+        return list(ctx.facts(STACK).values())
+    except RuntimeError:
+        return None
+
+
+def _loop_issued(ctx: Context) -> bool:
+    """No rank runs DDP, FSDP or tensor parallelism: the training loop calls the collectives itself."""
+    stacks = _stacks(ctx)
+    return bool(stacks) and not any(s.ddp or s.fsdp or s.tensor_parallel for s in stacks)
+
+
 def _fix(ctx: Context) -> str:
     """The fix for the stacks the ranks run (FIX, DDP's and the default, where none is seen, or
     where the run was read without the per-rank phase)."""
-    try:
-        stacks = list(ctx.facts(STACK).values())
-    except RuntimeError:  # read without the per-rank phase, or it failed on a rank: the fix is all it costs
+    stacks = _stacks(ctx)
+    if stacks is None:
         return FIX
     parts = ([FIX_FSDP] if any(s.fsdp for s in stacks) else []) + \
         ([FIX_TP] if any(s.tensor_parallel for s in stacks) else [])
@@ -173,6 +191,9 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         if comm_share:
             metrics["comm_share_of_device_time"] = f"{min(comm_share):.0%}-{max(comm_share):.0%}"
     # evidence: the longest collectives on the rank with the most exposed communication
+    loop = tiny and _loop_issued(ctx)
+    if loop:
+        metrics["issued_by"] = "the training loop (no DDP, FSDP or tensor parallelism)"
     worst = int(exposed.idxmax())
     c = run.timelines[worst].own_collectives()
     longest = c.assign(d=c["end"] - c["arrival"]).nlargest(5, "d")
@@ -181,14 +202,15 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=ranks or tuple(run.ranks), metrics=metrics, events=refs,
-        fix=FIX_TINY if tiny else (bucket and bucket[1]) or _fix(ctx),
+        fix=(FIX_TINY_LOOP if loop else FIX_TINY) if tiny else (bucket and bucket[1]) or _fix(ctx),
         confidence="low" if missing else confidence_for(ctx, "high" if len(run.ranks) > 1 else "medium"),
         method="Median over ranks of per-step communication not hidden under compute, excluding time "
                "spent waiting for the last-arriving rank (a late peer: the straggler check's).")
     reason = (f"communication is exposed {ms:.1f} ms per step ({share:.0%}); "
               f"{metrics['overlapped_share']:.0%} of it overlaps compute")
     if tiny:
-        reason += f"; {per_step:.0f} small collectives per step (no bucketing?)"
+        reason += (f"; {per_step:.0f} small collectives per step, issued by the training loop itself (no DDP or FSDP "
+                   "in the trace)" if loop else f"; {per_step:.0f} small collectives per step (no bucketing?)")
     elif bucket:
         reason += bucket[0]
     if missing:
