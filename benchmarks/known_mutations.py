@@ -105,6 +105,8 @@ MUTATIONS = [
      "pass", "consecutive steps' critical paths overlapping where ranks are out of step"),
     ("diagnose/step/pauses.py", "shift = run.clock_offsets_us.get(r, 0.0) - base", "shift = -base + 5e5",
      "collections placed half a second off their steps"),
+    ("diagnose/analyzers/straggler.py", "        if w.evaluates_alone:  # what it is late from", "        if False:  #",
+     "a rank late from an evaluation it runs alone told to feed its DataLoader faster"),
     ("diagnose/analyzers/communication.py", "loop = tiny and _loop_issued(ctx)", "loop = False",
      "a loop's own per-parameter all-reduces told to raise a DDP bucket size it does not have"),
     ("diagnose/whatif.py", 'sorted(causes.items(), key=lambda c: c[0] == "gc_pause")', "causes.items()",

@@ -62,7 +62,8 @@ A fault that starts mid-run (fail-slow), from step --slow-from-step N on rank --
                             shared 2-core machine a CPU-only step drifts by more than 20% for minutes)
 
 An evaluation inside the training loop: `--eval-every N` runs one after every N-th step over
-`--eval-batches B` batches of its own DataLoader under torch.no_grad(); `--eval-getitem-ms MS` makes
+`--eval-batches B` batches of its own DataLoader under torch.no_grad() (`--eval-rank R`: on rank R alone,
+the others waiting for it at the next all-reduce); `--eval-getitem-ms MS` makes
 that loader slow (its Dataset's __getitem__ sleeps), the training loader unchanged.
 
 Launching: torchrun (above), or `python examples/train_ddp.py --spawn 2`: torch.multiprocessing.spawn
@@ -258,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="an evaluation after every N-th step (0: none)")
     p.add_argument("--eval-batches", type=int, default=4, help="batches per evaluation")
     p.add_argument("--eval-getitem-ms", type=float, default=0.0, help="the evaluation Dataset's __getitem__ sleeps")
+    p.add_argument("--eval-rank", type=int, default=None,
+                   help="only this rank evaluates (`if rank == 0: validate()`): the others go on and wait for it")
     p.add_argument("--spawn", type=int, default=0,
                    help="start this many ranks with torch.multiprocessing.spawn (no RANK in their environment)")
     args = p.parse_args(argv)
@@ -553,7 +556,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
             plain.stop()
             os.makedirs(args.trace_dir, exist_ok=True)
             plain.export_chrome_trace(os.path.join(args.trace_dir, f"rank{rank}.pt.trace.json.gz"))
-        if args.eval_every and step % args.eval_every == 0:
+        if args.eval_every and step % args.eval_every == 0 and args.eval_rank in (None, rank):
             evaluate(model, eval_loader)
         if prof is not None:
             prof.step()

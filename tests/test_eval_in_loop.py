@@ -32,13 +32,13 @@ def _finding(d, check_id="dataloader_starvation"):
     return next(f for f in d.findings if f.id == check_id)
 
 
-def _raw_per_step(trace: Path) -> list[tuple[float, float]]:
+def _raw_per_step(trace: Path, mark: str = NO_GRAD_BATCH) -> list[tuple[float, float]]:
     """(all DataLoader wait, the part inside the probes' autograd-off marks) per ProfilerStep, ms,
     from the raw events: every fetch of this single-threaded loader is one span on the main thread."""
     with gzip.open(trace) as f:
         ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"].startswith("ProfilerStep#"))
-    marks = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"] == NO_GRAD_BATCH]
+    marks = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"] == mark]
     fetches = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e["name"].startswith(DATALOADER)]
     out = []
     for s0, s1 in steps:
@@ -191,3 +191,23 @@ def test_a_hugging_face_trainers_evaluation_is_an_evaluation(tmp_path):
         undo()
     assert probe.meta["dataloader_no_grad"]
     assert [e.name for e in prof.events()].count(EVAL_BATCH) >= 2  # its two batches (and the loop's end)
+
+
+def test_an_evaluation_one_rank_runs_alone_is_the_stragglers_fix():
+    """cpu_eval_one_rank_2rank: rank 0 evaluates every third step, rank 1 waits for it. The rank is
+    late "from the DataLoader", which is the evaluation's: the fix is where the evaluation runs."""
+    from diagnose.analyzers.straggler import FIX_EVAL_ALONE
+
+    fixture = FIXTURES / "cpu_eval_one_rank_2rank"
+    per_rank = {int(p.name[4]): _raw_per_step(p, EVAL_BATCH) for p in fixture.glob("rank*.pt.trace.json.gz")}
+    assert all(marked == 0 for _, marked in per_rank[1])  # rank 1 never evaluates
+    assert sum(marked for _, marked in per_rank[0]) > 100  # rank 0 does, inside the profiled steps
+    d = diagnose_paths([fixture])
+    f = d.findings[0]
+    assert f.id == "straggler" and f.ranks == (0,)
+    assert f.fix == FIX_EVAL_ALONE.format(who="Rank 0")
+    extra = f.metrics["late_rank_extra_evaluation_ms"]
+    assert extra == pytest.approx(d.extras["evaluation"]["ms_per_step"], rel=0.05)  # rank 1 has none
+    assert "an evaluation rank 0 runs and the others do not" in next(c for c in d.checks if c.id == "straggler").reason
+    # where every rank evaluates (cpu_eval_in_loop_2rank) no rank is said to evaluate alone
+    assert all("late_rank_extra_evaluation_ms" not in x.metrics for x in diagnose_paths([EVAL]).findings)

@@ -116,6 +116,10 @@ FIX_BY_SOURCE = {
                         "switch port) and the transport NCCL chose (NCCL_DEBUG=INFO)."),
 }
 """The fix, by what the (latest) named rank is late from (why_late): more to act on than FIX."""
+FIX_EVAL_ALONE = ("{who} runs an evaluation inside the training steps that the other ranks do not (`if rank == 0: "
+                  "validate()`), and they wait for it at the next collective: evaluate on every rank, each on its "
+                  "shard of the validation set with the results all-reduced, or less often, or outside the training "
+                  "loop (a separate process or job on a saved checkpoint).")
 HOST_FIX = "They share a host: look at that node first (its clocks and thermals, neighbours, storage, network). "
 
 
@@ -414,6 +418,8 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
             ranks_text = f"rank {names}" if len(named) == 1 else f"ranks {names}"
             keys = [w.key] + [k for k, _, _ in w.also]
             fix = " Then: ".join(FIX_BY_SOURCE[k].format(who=ranks_text) for k in keys if k in FIX_BY_SOURCE)
+        if w.evaluates_alone:  # what it is late from is the evaluation's: where that runs is the fix
+            fix = FIX_EVAL_ALONE.format(who=f"Rank {named[0]}")
         if host:
             fix = HOST_FIX + fix
         subject = "it is" if len(named) == 1 else f"rank {named[0]}, the latest of them, is"
@@ -440,6 +446,10 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
                        f"({w.ops_ms:+.1f} ms per step in all): {where}")
         if w.also:  # after the op diff, which speaks of the largest source only
             reason += "; also from " + " and ".join(f"{label} (+{ms:.1f} ms per step)" for _, label, ms in w.also)
+        if w.evaluates_alone:
+            metrics["late_rank_extra_evaluation_ms"] = w.evaluation_ms
+            reason += (f"; {w.evaluation_ms:.1f} ms per step of it is an evaluation rank {named[0]} runs and the "
+                       "others do not (a DataLoader iterated with autograd off, its batches and forward passes)")
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(ms, 3), share_of_step=round(share, 4),
         ranks=tuple(named), metrics=metrics, events=refs, fix=fix, confidence=confidence_for(ctx, base),

@@ -21,12 +21,17 @@ from diagnose.ingest.load import KIND_KERNEL, RankTrace
 from diagnose.step.timeline import RankTimeline
 
 FACTS = "straggler"
+DATALOADER_FACTS = "dataloader"
+"""The DataLoader check's per-rank summary (dataloader.RankInput): each rank's evaluation loops."""
 """The per-rank summary's name (the straggler check's entry in the checklist)."""
 TOP_OPS = 200  # per rank: enough to diff any op that matters, small enough to ship from a worker
 SOURCES = {"compute_ms": "compute", "dataloader_ms": "the DataLoader", "other_ms": "host gaps or device idle",
            "exposed_comm_ms": "its own communication"}
 CPU_OTHER = "host gaps"
 """A CPU rank's "other" time: outside any profiled op (it has no device to idle)."""
+EVAL_ALONE = 0.5
+"""A late rank's evaluation loops explain its lateness from this share of its excess over the median
+rank (all components) up: the fix is where the evaluation runs, not what it is late from."""
 ALSO_SHARE = 0.25
 """A second source of lateness is named beside the largest from this share of it up (a rank
 waiting 149 ms for its DataLoader and sleeping 100 ms more is late from both)."""
@@ -163,6 +168,16 @@ class WhyLate:
     """Its excess in garbage collections the probes placed in the profiled steps (step/pauses.py),
     ms per step: inside the breakdown's components (host gaps, the DataLoader), which do not know
     them apart."""
+    evaluation_ms: float = 0.0
+    """Its excess in evaluation loops inside the steps (dataloader.RankInput.evaluation_ms: a
+    DataLoader iterated with autograd off, its batches and forward passes), ms per step: an
+    evaluation it runs and the others do not (`if rank == 0: validate()`)."""
+
+    @property
+    def evaluates_alone(self) -> bool:
+        """Most of its excess over the median rank is an evaluation of its own."""
+        total = sum(v for v in self.excess.values() if v > 0)
+        return total > 0 and self.evaluation_ms >= EVAL_ALONE * total
 
     @property
     def ops_explain(self) -> bool:
@@ -210,7 +225,21 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
                                                              else "") for n, v in top_ops.items())
         ops_ms = float(d_ms[d_ms > 0].sum())
     return WhyLate(source, top if source else None, {k: round(float(v), 3) for k, v in excess.items()}, ops,
-                   round(ops_ms, 3), detail, also, round(_paused_excess(ctx, rank), 3))
+                   round(ops_ms, 3), detail, also, round(_paused_excess(ctx, rank), 3),
+                   round(_evaluation_excess(ctx, rank), 3))
+
+
+def _evaluation_excess(ctx: Context, rank: int) -> float:
+    """The rank's evaluation loops per profiled step above the median other rank's (0 where the
+    DataLoader check's per-rank phase did not run)."""
+    try:
+        facts = ctx.facts(DATALOADER_FACTS)
+    except RuntimeError:
+        return 0.0
+    others = [f.evaluation_ms for r, f in facts.items() if r != rank]
+    if rank not in facts or not others:
+        return 0.0
+    return max(facts[rank].evaluation_ms - float(np.median(others)), 0.0)
 
 
 def _paused_excess(ctx: Context, rank: int) -> float:
