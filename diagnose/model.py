@@ -46,6 +46,7 @@ CHECK_ORDER: tuple[str, ...] = (
     "checkpoint_io",
     "host_sync",
     "gc_pause",
+    "cpu_contention",
     # configuration mistakes behind the causes above
     "grad_sync",
     "reduce_dtype",

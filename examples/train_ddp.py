@@ -22,6 +22,8 @@ Presets (--pathology; explicit flags below override them):
 Pathology flags (all off by default: a healthy run):
   --slow-getitem-ms MS      each Dataset.__getitem__ sleeps (dataloader starvation with --num-workers 0)
   --slow-getitem-rank R     only rank R's Dataset is slow (default: every rank's)
+  --cpu-getitem-ms MS       each Dataset.__getitem__ burns MS of CPU time (transforms): with too few
+                            cores for the ranks and their workers, more workers do not help
   --straggler-rank R        rank R sleeps --straggler-ms before each backward (arrives late at all-reduce)
   --batch-size small        with a wide model: tiny micro-batch, per-op overhead dominates
   --bucket-cap-mb tiny      many small all-reduces
@@ -116,10 +118,16 @@ class SyntheticDataset(Dataset):
 
     garbage = None
     """--gc-in-loader: a Garbage whose cycles each sample makes (per-sample Python records)."""
+    cpu_s = 0.0
+    """--cpu-getitem-ms: CPU time each sample's transforms burn (a JPEG decode, augmentations)."""
 
     def __getitem__(self, i: int):
         if self.slow_s:
             time.sleep(self.slow_s)
+        if self.cpu_s:
+            end = time.process_time() + self.cpu_s  # CPU time, not wall: a starved core stretches it
+            while time.process_time() < end:
+                pass
         if self.garbage is not None:
             self.garbage.sample(i)
         return self.x[i], self.y[i]
@@ -184,6 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int)
     p.add_argument("--pin-memory", action="store_true")
     p.add_argument("--slow-getitem-ms", type=float)
+    p.add_argument("--cpu-getitem-ms", type=float, default=0.0,
+                   help="each Dataset.__getitem__ burns this much CPU time (decoding, augmentation): on a host "
+                        "with too few cores per rank, more workers only share the same cores")
     p.add_argument("--slow-getitem-rank", type=int)
     p.add_argument("--straggler-rank", type=int)
     p.add_argument("--straggler-ranks", default="", metavar="R,R,...",
@@ -445,6 +456,7 @@ def main(argv: list[str] | None = None, spawned: tuple[int, int, int] | None = N
         [torch.optim.SGD(params[:2], lr=1e-3), torch.optim.Adam(params[2:], lr=1e-4)]
     n = args.batch_size * args.grad_accum * (args.epoch_steps or args.steps + 2)
     dataset = SyntheticDataset(n, args.dim, args.slow_getitem_ms if args.slow_getitem_rank in (-1, rank) else 0.0)
+    dataset.cpu_s = args.cpu_getitem_ms / 1000.0
     epochs = None
     if args.epoch_steps and args.sampler_spans_epochs:
         epochs = EpochsSampler(len(dataset), -(-args.steps // args.epoch_steps) + 1)

@@ -23,13 +23,16 @@ from .periodic import Periodic
 
 INTERVAL_S = 2.0
 """Default seconds between samples; DIAGNOSE_TELEMETRY_S overrides it (0: no sampling)."""
-SIGNALS = ("cpu_busy", "cpu_steal", "load1", "proc_cpu", "invol_switches_per_s", "rss_mb",
-           "sm_clock_mhz", "gpu_temp_c", "gpu_power_w", "gpu_throttle")
+SIGNALS = ("cpu_busy", "cpu_steal", "load1", "proc_cpu", "invol_switches_per_s", "rss_mb", "thread_cpu",
+           "run_wait", "sm_clock_mhz", "gpu_temp_c", "gpu_power_w", "gpu_throttle")
 """cpu_busy / cpu_steal: share of CPU time busy / stolen by the hypervisor since the last sample,
 over the cores this process may run on (the whole host when it is not pinned); load1: the 1-minute load average; proc_cpu: CPU
 seconds this process used per second; invol_switches_per_s: times the kernel took the CPU from it
-per second (a process competing for its core); rss_mb: resident memory; the gpu_* fields from
-NVML (gpu_throttle: the throttle-reason bits, 0 when none)."""
+per second (a process competing for its core); rss_mb: resident memory; thread_cpu / run_wait:
+share of wall time the training thread ran on a CPU / was ready to run and waited for one (the
+kernel's run-queue delay, /proc/self/task/TID/schedstat: a thread starved of cores by other work on
+the host, its DataLoader's workers among them); the gpu_* fields from NVML (gpu_throttle: the
+throttle-reason bits, 0 when none)."""
 
 # NVML's throttle reason bits (nvml.h, nvmlClocksThrottleReason*), named for the annotation
 THROTTLE = {0x1: "idle", 0x2: "application clocks", 0x4: "power cap", 0x8: "hardware slowdown",
@@ -81,6 +84,16 @@ def _status() -> tuple[float | None, float | None]:
         elif line.startswith("nonvoluntary_ctxt_switches:"):
             invol = float(line.split()[1])
     return rss, invol
+
+
+def _schedstat(tid: int | None) -> tuple[float, float] | None:
+    """(ns on a CPU, ns waiting on a run queue) of thread `tid` so far (None: not Linux, no schedstat)."""
+    text = _read(f"/proc/self/task/{tid}/schedstat") if tid is not None else None
+    try:
+        on, wait = text.split()[:2] if text else (None, None)
+        return (float(on), float(wait)) if on is not None else None
+    except ValueError:
+        return None
 
 
 GPU_SIGNALS = ("sm_clock_mhz", "gpu_temp_c", "gpu_power_w", "gpu_throttle")
@@ -139,6 +152,9 @@ class Sampler(Periodic):
             self.cpus = None
         self.nvml = None
         self._last = None
+        import threading
+
+        self.tid = threading.main_thread().native_id  # the training loop's thread
         super().__init__("diagnose-telemetry")
 
     def _run(self) -> None:
@@ -160,7 +176,8 @@ class Sampler(Periodic):
         proc = time.process_time()
         rss, invol = _status()
         load = _read("/proc/loadavg")
-        last, self._last = self._last, (now, cpu, proc, invol)
+        sched = _schedstat(self.tid)
+        last, self._last = self._last, (now, cpu, proc, invol, sched)
         if last is None:
             return None
         dt = now - last[0]
@@ -173,5 +190,8 @@ class Sampler(Periodic):
         line["invol_switches_per_s"] = (round((invol - last[3]) / dt, 2) if dt > 0 and invol is not None
                                         and last[3] is not None else None)
         line["rss_mb"] = round(rss, 1) if rss is not None else None
+        ok = dt > 0 and sched is not None and last[4] is not None
+        line["thread_cpu"] = round((sched[0] - last[4][0]) / 1e9 / dt, 4) if ok else None
+        line["run_wait"] = round((sched[1] - last[4][1]) / 1e9 / dt, 4) if ok else None
         line.update(self.nvml.sample() if self.nvml is not None else dict.fromkeys(GPU_SIGNALS))
         return line

@@ -18,11 +18,11 @@ from diagnose.ingest.assemble import load_run
 from diagnose.thresholds import DEFAULT
 from tests.conftest import shared, shared_run
 
-NEW = ("device_memory", "pipeline_bubble", "checkpoint_io", "host_sync", "gc_pause")
+NEW = ("device_memory", "pipeline_bubble", "checkpoint_io", "host_sync", "gc_pause", "cpu_contention")
 
 
 def test_new_checks_follow_the_classic_four():
-    assert CHECK_ORDER[-8:-3] == NEW
+    assert CHECK_ORDER[-9:-3] == NEW
     names = [e.name for e in CHECKLIST]
     assert names[:4] == ["dataloader", "communication", "straggler", "launch_overhead"]
     assert names[4] == "device_wait"  # launch_overhead's complement: queued device idle

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from diagnose.analyzers import (checkpoint, communication, dataloader, device_wait, fail_slow, gc_pause, grad_sync,
-                                host_sync, launch, memory, pipeline_bubbles, reduce_dtype, straggler)
+from diagnose.analyzers import (checkpoint, communication, cpu_contention, dataloader, device_wait, fail_slow,
+                                gc_pause, grad_sync, host_sync, launch, memory, pipeline_bubbles, reduce_dtype,
+                                straggler)
 from diagnose.context import Context
 from diagnose.errors import one_line
 from diagnose.ingest.assemble import ReduceFailed
@@ -52,6 +53,8 @@ CHECKLIST: tuple[Entry, ...] = (
     Entry("host_sync", host_sync.analyze, host_sync.reduce, uses_idle=True),
     # the host stopped by Python itself: the probes' every-step record, no trace needed
     Entry("gc_pause", gc_pause.analyze),
+    # the host's cores taken by other work (its DataLoader's workers among it): the probes' samples
+    Entry("cpu_contention", cpu_contention.analyze),
     # configuration mistakes behind the causes above: gradients reduced on every micro-batch, and
     # in fp32 under bf16 compute
     Entry("grad_sync", grad_sync.analyze, grad_sync.reduce),

@@ -45,6 +45,14 @@ TITLE_STALL = "Input stall outside the DataLoader (blocking host-to-device copie
 FIX = ("Feed the step faster: DataLoader(num_workers=4..8 per GPU, pin_memory=True, "
        "prefetch_factor=2..4, persistent_workers=True); move decoding/augmentation off the "
        "training process or cache preprocessed samples.")
+FIX_NO_CORES = ("This host has {cores} core(s) for {ranks} rank(s){and_workers}, and the training thread ran on a "
+                "core {on_cpu:.0%} of the time: the loading is CPU work and no core is free for more workers, which "
+                "would take the ranks' own. Make each sample cheaper (pre-process once and store the result; decode "
+                "and augment on the GPU: torchvision.io.decode_jpeg(device='cuda'), NVIDIA DALI), or run on hosts "
+                "with more cores per rank.")
+ON_CPU = 0.8
+"""The training thread on a core this share of the run or more (the probes' thread_cpu): its waits
+for batches are work it does itself (num_workers=0) or waits on workers that are CPU-bound too."""
 EVAL_NAMED = 0.25
 """From this share of the worst rank's DataLoader wait in an evaluation's batches, the
 finding says so (and from half, leads its fix with the evaluation's loader)."""
@@ -207,6 +215,10 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
     fix = FIX
     if cfg:
         fix = f"{FIX} This run: {_loader(cfg)}."
+    crowded = no_spare_cores(ctx, worst, cfg)
+    if crowded:  # "more workers" would share the cores the ranks already fill
+        fix = crowded + (f" This run: {_loader(cfg)}." if cfg else "")
+        metrics["no_spare_cores"] = 1
     # an evaluation inside the profiled steps: its batches' wait is time the step loses too, but
     # the loader to feed faster (or the evaluation to run less often) is another one
     mine = facts[worst]
@@ -282,6 +294,27 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
     level = "highly input-bound" if f.share_of_step >= th.input_bound_high else "input-bound"
     return flag_or_pass(f, th.input_bound, th, f"{level}: rank {worst} waits {ms:.1f} ms per step "
                         f"({share:.0%}) for the next batch{eval_note}{epoch_note}", ctx)
+
+
+def no_spare_cores(ctx: Context, rank: int, cfg: dict) -> str:
+    """FIX_NO_CORES where the rank's host has no free core for one more DataLoader worker a rank and the training thread ran on a core ON_CPU of the time or
+    more over the run (the probes' telemetry): the loading is CPU work, so more workers cannot help;
+    else ""."""
+    p = ctx.probes.get(rank)
+    if p is None or p.telemetry.empty or "thread_cpu" not in p.telemetry:
+        return ""
+    on_cpu = p.telemetry["thread_cpu"].to_numpy(dtype=float)
+    cores = p.meta.get("cpu_count")
+    if not np.isfinite(on_cpu).any() or not isinstance(cores, int) or cores <= 0:
+        return ""
+    host = p.meta.get("host")
+    ranks = sum(1 for q in ctx.probes.values() if q.meta.get("host") == host) if host else 1
+    workers = cfg.get("num_workers") if isinstance(cfg.get("num_workers"), int) else 0
+    share = float(np.nanmean(on_cpu))
+    if cores - ranks * (1 + workers) >= ranks or share < ON_CPU:  # a free core for one more worker a rank
+        return ""
+    return FIX_NO_CORES.format(cores=cores, ranks=ranks, on_cpu=share,
+                               and_workers=f" and {ranks * workers} worker(s)" if workers else "")
 
 
 def _loader(cfg: dict) -> str:

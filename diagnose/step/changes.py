@@ -90,7 +90,7 @@ class Change:
 
 SIGNAL_FLOORS = {"cpu_busy": 0.15, "cpu_steal": 0.05, "load1": 0.5, "proc_cpu": 0.15,
                  "invol_switches_per_s": 20.0, "rss_mb": 256.0, "sm_clock_mhz": 100.0, "gpu_temp_c": 8.0,
-                 "gpu_power_w": 30.0}
+                 "gpu_power_w": 30.0, "run_wait": 0.1}
 """The least move of each signal that annotates a change: well above what a steady run's samples
 wander by (a share of CPU time, a load average, CPU seconds per second, switches per second, MB,
 MHz, degrees C, W). gpu_throttle: any change of the reasons."""
@@ -101,7 +101,8 @@ SIGNAL_WORDS = {"cpu_busy": ("CPU busy", "{:.0%}"), "cpu_steal": ("CPU steal", "
                 "load1": ("load average", "{:.1f}"), "proc_cpu": ("the rank's CPU use", "{:.2f} s/s"),
                 "invol_switches_per_s": ("involuntary context switches", "{:,.0f}/s"),
                 "rss_mb": ("resident memory", "{:,.0f} MB"), "sm_clock_mhz": ("SM clock", "{:,.0f} MHz"),
-                "gpu_temp_c": ("GPU temperature", "{:.0f} C"), "gpu_power_w": ("GPU power", "{:.0f} W")}
+                "gpu_temp_c": ("GPU temperature", "{:.0f} C"), "gpu_power_w": ("GPU power", "{:.0f} W"),
+                "run_wait": ("the training thread's wait for a CPU", "{:.0%}")}
 
 
 @dataclass(frozen=True, slots=True)

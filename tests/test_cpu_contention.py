@@ -1,0 +1,80 @@
+"""Host CPU contention, from the probes' samples of the training thread's run-queue delay.
+
+tests/fixtures/cpu_cores_contended_2rank: transforms that burn CPU in two workers per rank on a
+2-core host (READMEs there): the DataLoader keeps up, every step stretches, and the tool said
+"no significant cause found". cpu_cores_inline_loading_2rank: the same loading in the training
+thread, where "more workers" was the fix and does not help."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diagnose.analyzers.cpu_contention import FIX_WORKERS, ID
+from diagnose.analyzers.dataloader import FIX, FIX_NO_CORES
+from diagnose.pipeline import diagnose_paths
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CONTENDED = FIXTURES / "cpu_cores_contended_2rank"
+INLINE = FIXTURES / "cpu_cores_inline_loading_2rank"
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_a_training_thread_waiting_for_a_core_is_named_with_what_it_costs():
+    d = diagnose_paths([CONTENDED])
+    f = d.findings[0]
+    assert f.id == ID and f.over == "run" and f.confidence == "high" and set(f.ranks) == {0, 1}
+    # the figure is the samples' mean wait times the recorded mean step, on the rank that loses most
+    lost = {}
+    for r in (0, 1):
+        wait = np.mean([x["run_wait"] for x in _lines(CONTENDED / f"rank{r}.telemetry.jsonl")])
+        steps = [x["dur_ms"] for x in _lines(CONTENDED / f"rank{r}.steps.jsonl") if x["step"] > 0]
+        lost[r] = wait * np.mean(steps)
+        assert wait > 0.4  # the host's cores shared by 2 ranks and 4 busy workers: far above noise
+    worst = max(lost, key=lost.get)
+    assert f.metrics["worst_rank"] == worst and f.recoverable_ms == pytest.approx(lost[worst], abs=1e-3)
+    assert f.metrics["host_cpu_busy"] > 0.95
+    assert f.fix == FIX_WORKERS.format(ranks=2, workers=4, cores=2, fit=0)
+    # the DataLoader itself kept up: no starvation
+    assert next(c for c in d.checks if c.id == "dataloader_starvation").status == "passed"
+
+
+def test_loading_in_the_training_thread_on_a_full_host_is_not_told_to_add_workers():
+    d = diagnose_paths([INLINE])
+    f = d.findings[0]
+    assert f.id == "dataloader_starvation" and f.metrics["no_spare_cores"] == 1
+    assert f.fix.startswith(FIX_NO_CORES.split("{")[0]) and not f.fix.startswith(FIX)
+    assert "This host has 2 core(s) for 2 rank(s), and the training thread ran on a core" in f.fix
+    # nothing waited for a core: the work is the thread's own
+    assert next(c for c in d.checks if c.id == ID).status == "passed"
+
+
+@pytest.mark.parametrize("fixture", ["cpu_straggler_2rank", "cpu_gc_pauses_2rank"])
+def test_probes_that_did_not_sample_the_run_queue_are_not_measured(fixture):
+    c = next(c for c in diagnose_paths([FIXTURES / fixture]).checks if c.id == ID)
+    assert c.status == "not_measurable" and "run_wait" in c.reason
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+                    reason="no schedstat (not Linux)")
+def test_the_sampler_reads_the_training_threads_time_on_and_waiting_for_a_core():
+    from diagnose.probes.telemetry import Sampler
+
+    lines = []
+    s = Sampler(lines.append, lambda: 3, lambda exc: None, interval_s=0.2)
+    s.sample()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # this (main) thread busy: on a core most of the wall time
+        pass
+    line = s.sample()
+    # a thread that never sleeps is on a core or waiting for one, however busy the machine
+    assert line["thread_cpu"] > 0.05 and line["run_wait"] >= 0.0
+    assert 0.7 <= line["thread_cpu"] + line["run_wait"] <= 1.1
