@@ -105,6 +105,8 @@ MUTATIONS = [
      "pass", "consecutive steps' critical paths overlapping where ranks are out of step"),
     ("diagnose/step/pauses.py", "shift = run.clock_offsets_us.get(r, 0.0) - base", "shift = -base + 5e5",
      "collections placed half a second off their steps"),
+    ("diagnose/diff.py", 'if fixed and every_step is not None and all(f.over == "run"', "if False and all(f.over == \"run\"",
+     "a fix sized over the run measured by the few profiled steps"),
     ("diagnose/analyzers/cpu_contention.py", "lost = {r: share[r] * step_ms[r]", "lost = {r: share[r] * 0.5 * step_ms[r]",
      "the training thread's wait for a core counted at half"),
     ("diagnose/analyzers/dataloader.py", "    crowded = no_spare_cores(ctx, worst, cfg)", '    crowded = ""',

@@ -141,6 +141,21 @@ def test_collections_inside_fetches_are_not_the_dataloaders_wait():
         next(c for c in d.checks if c.id == "dataloader_starvation").reason
 
 
+def test_a_fix_sized_over_the_run_is_checked_against_every_recorded_step():
+    """`diagnose diff` of the pauses and their fix (collections every N steps on every rank): the
+    profiled steps held none of the pauses on either side (115.5 -> 113.0 ms), so the prediction is
+    set against both runs' every recorded step, where the pauses are (diff.py _prediction)."""
+    from diagnose.diff import diff_diagnoses, diff_summary
+
+    before, after = diagnose_paths([PAUSES]), diagnose_paths([EVERY])
+    diff = diff_diagnoses(before, after)
+    pr, every = diff["prediction"], diff["every_step_ms"]
+    assert pr["causes"] == [ID] and pr["measured_over"] == "every recorded step"
+    assert pr["measured_saving_ms"] == pytest.approx(every["before"] - every["after"], abs=1e-3)
+    assert pr["measured_saving_ms"] > 5 * abs(diff["step_ms"]["change_ms"])  # the window's change, next to nothing
+    assert "shorter over every recorded step" in diff_summary(diff)
+
+
 @pytest.mark.parametrize("fixture", ["cpu_straggler_2rank", "cpu_epoch_starts_2rank"])
 def test_records_from_probes_that_timed_no_collections_are_not_measured(fixture):
     c = _check(diagnose_paths([FIXTURES / fixture]))
