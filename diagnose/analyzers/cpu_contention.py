@@ -28,14 +28,13 @@ from diagnose.units import rank_ranges
 
 ID = "cpu_contention"
 TITLE = "Host CPU contention (the training thread waits for a core)"
-FIX_WORKERS = ("This host runs {ranks} rank(s) and {workers} DataLoader worker process(es) on {cores} core(s), every "
-               "core busy: the training threads wait for a core, and more workers cannot load faster when none is "
-               "free. Make each sample cheaper (pre-process once and store the result; decode and augment on the "
+FIX_WORKERS = ("This host runs {ranks} rank(s) and {workers} DataLoader worker process(es) on {cores} core(s), {busy}: "
+               "the training threads wait for a core, and more workers cannot load faster when none is free. Make each sample cheaper (pre-process once and store the result; decode and augment on the "
                "GPU: torchvision.io.decode_jpeg(device='cuda'), NVIDIA DALI), leave each rank a core of its own "
                "(num_workers about cores / ranks - 1, here {fit}), or run on hosts with more cores per rank.")
-FIX_OTHER = ("Other work on this host takes the training threads' cores ({cores} core(s), every one busy): find it "
-             "(top -H, or pidstat -t 2), keep other jobs off the host, and pin each rank to cores of its own "
-             "(torchrun --local-ranks-filter is no pinning: numactl --physcpubind or taskset per rank).")
+FIX_OTHER = ("Other work on this host takes the training threads' cores ({cores} core(s), {busy}): find it (top -H, "
+             "or pidstat -t 2), keep other jobs off the host, and pin each rank to cores of its own (numactl "
+             "--physcpubind or taskset per rank).")
 MIN_SAMPLES = 2
 """Telemetry samples a rank needs (one per 2 s: a run of a few seconds at least)."""
 
@@ -90,11 +89,12 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         metrics["dataloader_workers_per_rank"] = workers
     for r in sorted(share):
         metrics[f"rank{r}_run_wait_share"] = round(share[r], 4)
+    said = (f"{busy[worst]:.0%} busy over the run" if np.isfinite(busy[worst]) else "its load not read")
     if workers and cores:
-        fix = FIX_WORKERS.format(ranks=on_host, workers=on_host * workers, cores=cores,
+        fix = FIX_WORKERS.format(ranks=on_host, workers=on_host * workers, cores=cores, busy=said,
                                  fit=max(cores // max(on_host, 1) - 1, 0))
     else:
-        fix = FIX_OTHER.format(cores=cores or "its")
+        fix = FIX_OTHER.format(cores=cores or "its", busy=said)
     on_device = ctx.run.is_gpu
     f = Finding(id=ID, title=TITLE, severity=th.severity(frac), recoverable_ms=round(ms, 3),
                 share_of_step=round(frac, 4), ranks=ranks, metrics=metrics, events=(), fix=fix,
