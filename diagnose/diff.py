@@ -187,6 +187,7 @@ def diff_diagnoses(before: Diagnosis, after: Diagnosis, *, before_label: str = "
     bm, am = _mean_over_ranks(before), _mean_over_ranks(after)
     causes = _cause_rows(before, after, bm, am)
     bs, as_ = bm.get("step_ms"), am.get("step_ms")
+    every = _every_step(before, after)
     return {
         "diff_version": DIFF_VERSION,
         "tool": {"name": "torch-diagnose", "version": __version__},
@@ -201,10 +202,9 @@ def diff_diagnoses(before: Diagnosis, after: Diagnosis, *, before_label: str = "
         "findings_appeared": [c["id"] for c in causes if c["change"] == "appeared"],
         "findings_changed": [c["id"] for c in causes if c["change"] == "changed"],
         "findings_unchanged": [c["id"] for c in causes if c["change"] == "unchanged"],
-        "every_step_ms": _every_step(before, after),
+        "every_step_ms": every,
         "comparability": _comparability(before, after),
-        "prediction": _prediction(before, causes, bs - as_ if bs is not None and as_ is not None else None,
-                                  _every_step(before, after)),
+        "prediction": _prediction(before, causes, bs - as_ if bs is not None and as_ is not None else None, every),
     }
 
 

@@ -82,6 +82,28 @@ def has_device_times(p: ProbeData) -> bool:
     return "device_ms" in p.steps and bool(p.steps["device_ms"].notna().any())
 
 
+def signal_mean(p: ProbeData, name: str) -> float:
+    """Mean of a telemetry signal (TELEMETRY_SIGNALS) over the rank's samples; NaN where the probes
+    never read it (a missing sample is NaN, never 0)."""
+    t = p.telemetry
+    if t.empty or name not in t:
+        return math.nan
+    v = t[name].to_numpy(dtype=float)
+    return float(np.nanmean(v)) if np.isfinite(v).any() else math.nan
+
+
+def host_cores(p: ProbeData) -> int | None:
+    """The rank's host's CPU count as its probes read it (None where not recorded)."""
+    n = p.meta.get("cpu_count")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def ranks_on_host(probes: dict[int, ProbeData], rank: int) -> int:
+    """Ranks whose probes name the same host as `rank`'s (1 where it names none)."""
+    host = probes[rank].meta.get("host")
+    return sum(1 for p in probes.values() if p.meta.get("host") == host) if host else 1
+
+
 def job_step_ms(steps: pd.DataFrame) -> np.ndarray:
     """Each step's time as the job ran it: on a rank whose probes timed steps on the device, the
     device's, NaN for a step it did not time (a host that runs ahead of its device ends its steps

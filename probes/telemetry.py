@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 from .periodic import Periodic
@@ -152,8 +153,6 @@ class Sampler(Periodic):
             self.cpus = None
         self.nvml = None
         self._last = None
-        import threading
-
         self.tid = threading.main_thread().native_id  # the training loop's thread
         super().__init__("diagnose-telemetry")
 

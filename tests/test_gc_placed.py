@@ -123,7 +123,7 @@ def test_passes_inside_fetches_leave_the_dataloaders_part():
     assert f.confidence != "low"
 
 
-def test_passes_from_a_gpu_rank_or_unplacing_probes_stay_out_of_the_graph():
+def test_collections_older_probes_did_not_place_stay_out_of_the_graph():
     """Older probes (cpu_gc_in_window_2rank) sum the collections only: nothing placed, the window's
     caution and low confidence as before."""
     old = FIXTURES / "cpu_gc_in_window_2rank"

@@ -4,7 +4,7 @@ A host with too few cores for its ranks and their DataLoader workers (CPU-heavy 
 decoding, augmentation) stretches every step while the trace shows nothing: the DataLoader keeps
 up, so its wait is short, and the ops themselves take longer, each waiting for a core between
 time slices. Measured (2026-12-07, this 2-core machine, `examples/train_ddp.py --cpu-getitem-ms 0.5
---num-workers 2`): the step went from ~108 ms to ~232 ms with a DataLoader wait of 4 ms, the host
+--num-workers 2`): the median step went from 105.5 ms (no transforms) to 232 ms with a DataLoader wait of 4 ms, the host
 100% busy, and the tool said "no significant cause found".
 
 The probes sample the kernel's run-queue delay of the training thread (probes/telemetry.py
@@ -22,7 +22,7 @@ import numpy as np
 from diagnose.analyzers.common import flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
-from diagnose.probedata import job_step_ms
+from diagnose.probedata import host_cores, job_step_ms, ranks_on_host, signal_mean
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -53,9 +53,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
         if ok.sum() < MIN_SAMPLES:
             continue
         share[r] = float(np.mean(w[ok]))
-        busy[r] = float(np.nanmean(t["cpu_busy"].to_numpy(dtype=float))) if t["cpu_busy"].notna().any() else np.nan
-        on_cpu[r] = float(np.nanmean(t["thread_cpu"].to_numpy(dtype=float))) if t["thread_cpu"].notna().any() \
-            else np.nan
+        busy[r], on_cpu[r] = signal_mean(p, "cpu_busy"), signal_mean(p, "thread_cpu")
         ms = job_step_ms(p.steps)
         step_ms[r] = float(np.nanmean(ms)) if np.isfinite(ms).any() else np.nan
     if not share:
@@ -71,10 +69,7 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     ranks = tuple(r for r in sorted(share) if share[r] >= th.cpu_contention) or (worst,)
     cfg = ctx.probe_meta("dataloader")
     workers = cfg.get("num_workers") if isinstance(cfg.get("num_workers"), int) else None
-    meta = ctx.probes[worst].meta
-    cores = meta.get("cpu_count") if isinstance(meta.get("cpu_count"), int) and meta.get("cpu_count") > 0 else None
-    host = meta.get("host")
-    on_host = sum(1 for p in ctx.probes.values() if p.meta.get("host") == host) if host else 1
+    cores, on_host = host_cores(ctx.probes[worst]), ranks_on_host(ctx.probes, worst)
     metrics: dict[str, float | int | str] = {
         "run_wait_share": round(share[worst], 4), "cpu_lost_ms_per_step": round(ms, 3),
         "every_step_step_ms": round(mean_step, 3), "worst_rank": worst, "ranks_on_host": on_host,

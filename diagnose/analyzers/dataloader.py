@@ -32,6 +32,7 @@ from diagnose.analyzers.common import (confidence_for, evaluation_marks, evaluat
 from diagnose.context import Context
 from diagnose.ingest.load import KIND_MEMCPY, RankTrace
 from diagnose.model import Check, Finding
+from diagnose.probedata import host_cores, ranks_on_host, signal_mean
 from diagnose.step.cover import column
 from diagnose.step.intervals import covered, intersect, union
 from diagnose.step.timeline import DATALOADER, PAGEABLE_H2D, RankTimeline, _names_matching
@@ -279,7 +280,7 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
         # the passes the probes placed are the step model's own part already (step/pauses.py): the
         # replay's DataLoader part is without them, and only the rest is taken off it
         pz = ctx.pauses.get(worst)
-        placed = pz.in_fetch_ms / max(len(tl.steps.start), 1) if pz is not None else 0.0
+        placed = pz.in_fetch_ms_per_step if pz is not None else 0.0
         unplaced = max(collected - placed, 0.0)
         metrics["gc_in_wait_unplaced_ms"] = round(unplaced, 3)
         own_share = own / ctx.mean_step_ms if ctx.mean_step_ms > 0 else 0.0
@@ -297,21 +298,18 @@ def _dataloader(ctx: Context, th: Thresholds) -> Check:
 
 
 def no_spare_cores(ctx: Context, rank: int, cfg: dict) -> str:
-    """FIX_NO_CORES where the rank's host has no free core for one more DataLoader worker a rank and the training thread ran on a core ON_CPU of the time or
-    more over the run (the probes' telemetry): the loading is CPU work, so more workers cannot help;
-    else ""."""
+    """FIX_NO_CORES where the rank's host has no free core for one more DataLoader worker a rank
+    and the training thread ran on a core ON_CPU of the time or more over the run (the probes'
+    telemetry): the loading is CPU work, so more workers cannot help; else ""."""
     p = ctx.probes.get(rank)
-    if p is None or p.telemetry.empty or "thread_cpu" not in p.telemetry:
+    if p is None:
         return ""
-    on_cpu = p.telemetry["thread_cpu"].to_numpy(dtype=float)
-    cores = p.meta.get("cpu_count")
-    if not np.isfinite(on_cpu).any() or not isinstance(cores, int) or cores <= 0:
+    share, cores = signal_mean(p, "thread_cpu"), host_cores(p)
+    if not share >= ON_CPU or cores is None:  # NaN: not sampled
         return ""
-    host = p.meta.get("host")
-    ranks = sum(1 for q in ctx.probes.values() if q.meta.get("host") == host) if host else 1
+    ranks = ranks_on_host(ctx.probes, rank)
     workers = cfg.get("num_workers") if isinstance(cfg.get("num_workers"), int) else 0
-    share = float(np.nanmean(on_cpu))
-    if cores - ranks * (1 + workers) >= ranks or share < ON_CPU:  # a free core for one more worker a rank
+    if cores - ranks * (1 + workers) >= ranks:  # a free core for one more worker a rank
         return ""
     return FIX_NO_CORES.format(cores=cores, ranks=ranks, on_cpu=share,
                                and_workers=f" and {ranks * workers} worker(s)" if workers else "")

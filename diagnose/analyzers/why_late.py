@@ -244,12 +244,8 @@ def _evaluation_excess(ctx: Context, rank: int) -> float:
 
 def _paused_excess(ctx: Context, rank: int) -> float:
     """The rank's placed garbage collections per profiled step above the median other rank's."""
-    def per_step(r: int) -> float:
-        pz = ctx.pauses.get(r)
-        n = len(ctx.run.timelines[r].steps.start)
-        return pz.ms / n if pz is not None and n else 0.0
-
     if not ctx.pauses:
         return 0.0
-    others = [per_step(r) for r in ctx.run.ranks if r != rank]
-    return max(per_step(rank) - float(np.median(others)), 0.0) if others else 0.0
+    per_step = {r: pz.ms_per_step for r, pz in ctx.pauses.items()}
+    others = [per_step.get(r, 0.0) for r in ctx.run.ranks if r != rank]
+    return max(per_step.get(rank, 0.0) - float(np.median(others)), 0.0) if others else 0.0

@@ -38,6 +38,16 @@ class Pauses:
     """Their time inside the profiled steps, summed."""
     in_fetch_ms: float
     """Of it, inside DataLoader fetches."""
+    steps: int
+    """The rank's profiled steps."""
+
+    @property
+    def ms_per_step(self) -> float:
+        return self.ms / self.steps
+
+    @property
+    def in_fetch_ms_per_step(self) -> float:
+        return self.in_fetch_ms / self.steps
 
 
 def placed(p: ProbeData | None) -> bool:
@@ -58,11 +68,10 @@ def rank_pauses(run: Run, r: int, p: ProbeData) -> Pauses | None:
     g = p.gc_passes
     # the probes' wall clock (time.time at each step's start) to the trace's file clock, then the
     # run's alignment of this rank
-    shift = run.clock_offsets_us.get(r, 0.0) - base
-    a = g["start"].to_numpy(dtype=float) * 1e6 + shift
+    off = run.clock_offsets_us.get(r, 0.0)
+    a = g["start"].to_numpy(dtype=float) * 1e6 + off - base
     b = a + g["dur_ms"].to_numpy(dtype=float) * 1e3
-    lo, hi = float(tl.steps.start.min()) + run.clock_offsets_us.get(r, 0.0), \
-        float(tl.steps.end.max()) + run.clock_offsets_us.get(r, 0.0)
+    lo, hi = float(tl.steps.start.min()) + off, float(tl.steps.end.max()) + off
     a, b = np.maximum(a, lo), np.minimum(b, hi)
     inside = b > a
     if not inside.any():
@@ -70,7 +79,7 @@ def rank_pauses(run: Run, r: int, p: ProbeData) -> Pauses | None:
     fetch = g["in_fetch"].to_numpy(dtype=bool) & inside
     every, in_fetch = union(a[inside], b[inside]), union(a[fetch], b[fetch])
     return Pauses(every=every, in_fetch=in_fetch, ms=float((every.ends - every.starts).sum()) / 1000,
-                  in_fetch_ms=float((in_fetch.ends - in_fetch.starts).sum()) / 1000)
+                  in_fetch_ms=float((in_fetch.ends - in_fetch.starts).sum()) / 1000, steps=int(tl.steps.start.size))
 
 
 def run_pauses(run: Run, probes: dict[int, ProbeData]) -> dict[int, Pauses]:
