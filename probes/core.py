@@ -437,7 +437,10 @@ class Probe:
                     f.write(line)
                     f.flush()
 
-            self._telemetry = (Sampler(write, lambda: self.step, lambda exc: self._fail("telemetry", exc), every), f)
+            # called from the first step's end: this thread runs the loop (its run-queue wait is
+            # what cpu_contention reads), whichever thread of the process that is
+            self._telemetry = (Sampler(write, lambda: self.step, lambda exc: self._fail("telemetry", exc), every,
+                                       tid=threading.get_native_id()), f)
             self._telemetry[0].start()
         except Exception as exc:  # noqa: BLE001
             self._fail("telemetry", exc)

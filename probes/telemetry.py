@@ -141,7 +141,8 @@ class _Nvml:
 class Sampler(Periodic):
     """Samples SIGNALS every INTERVAL_S on its own daemon thread; `write(line)` appends one line."""
 
-    def __init__(self, write, current_step, on_error, interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, write, current_step, on_error, interval_s: float = INTERVAL_S,
+                 tid: int | None = None) -> None:
         self.write = write
         self.current_step = current_step
         self.on_error = on_error
@@ -153,7 +154,9 @@ class Sampler(Periodic):
             self.cpus = None
         self.nvml = None
         self._last = None
-        self.tid = threading.main_thread().native_id  # the training loop's thread
+        # the training loop's thread: the caller's (the probe starts it from a step's end) where
+        # given, not the process's main thread (Ray Train, a trainer run from a worker thread)
+        self.tid = tid if tid is not None else threading.main_thread().native_id
         super().__init__("diagnose-telemetry")
 
     def _run(self) -> None:

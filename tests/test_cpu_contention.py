@@ -79,3 +79,31 @@ def test_the_sampler_reads_the_training_threads_time_on_and_waiting_for_a_core()
     # a thread that never sleeps is on a core or waiting for one, however busy the machine
     assert line["thread_cpu"] > 0.05 and line["run_wait"] >= 0.0
     assert 0.7 <= line["thread_cpu"] + line["run_wait"] <= 1.1
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+                    reason="no schedstat (not Linux)")
+def test_the_probe_samples_the_thread_that_runs_the_loop_not_the_main_thread(tmp_path, monkeypatch):
+    """A loop run from a worker thread (Ray Train, a trainer started in a thread) with the main
+    thread asleep: sampling the main thread read 0 on a core, and a starved loop as no contention."""
+    from diagnose.probes.core import Probe, Schedule
+
+    monkeypatch.setenv("DIAGNOSE_TELEMETRY_S", "0.2")
+    p = Probe(tmp_path, rank=0, world_size=1, schedule=Schedule(enabled=False))
+
+    def loop() -> None:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # busy steps: this thread on a core or waiting for one
+            t = time.process_time() + 0.01
+            while time.process_time() < t:
+                pass
+            p.on_step()
+
+    t = threading.Thread(target=loop)
+    t.start()
+    t.join()  # the main thread asleep in join() the whole time
+    p.close()
+    lines = _lines(tmp_path / "rank0.telemetry.jsonl")
+    assert len(lines) >= 3
+    busy = [x["thread_cpu"] + x["run_wait"] for x in lines[:-1]]  # the last may straddle the loop's end
+    assert min(busy) > 0.7, busy
