@@ -114,6 +114,8 @@ MUTATIONS = [
      "a host with no core to spare told to add DataLoader workers"),
     ("probes/telemetry.py", 'line["run_wait"] = round((sched[1] - last[4][1]) / 1e9 / dt, 4)',
      'line["run_wait"] = round((sched[0] - last[4][0]) / 1e9 / dt, 4)', "time on a core sampled as the wait for one"),
+    ("diagnose/analyzers/common.py", "    if replayed_ms is None or replayed_ms >= 0.5 * wait_ms:",
+     "    if replayed_ms is None:", "waits the median edit gives back put on the collections"),
     ("probes/core.py", "                                       tid=threading.get_native_id()), f)", "), f)",
      "the process's main thread sampled where another thread runs the loop"),
     ("diagnose/analyzers/straggler.py", "        if w.evaluates_alone:  # what it is late from", "        if False:  #",

@@ -60,6 +60,10 @@ def test_passes_outside_fetches_are_their_own_cause_not_uneven_work():
     assert d.findings[0].confidence == "high" and d.findings[0].over == "run"
     imbalance = next(c for c in d.checks if c.id == "load_imbalance")
     assert imbalance.status == "passed" and "the waits were for peers stopped in garbage collections" in imbalance.reason
+    # the straggler check, finding no rank late beyond chance, says whose the waits were too
+    straggler = next(c for c in d.checks if c.id == "straggler")
+    assert straggler.status == "passed" and "no rank is late more than chance" in straggler.reason
+    assert "the waits were for peers stopped in garbage collections" in straggler.reason
     # removing the passes from the replay gives back what they stopped: one rank at a time, the other waiting
     steps = d.extras["replay"]["critical_path"]["steps"]
     stopped = sum(ms for v in passes.values() for _, ms, _ in v) / steps
@@ -163,3 +167,14 @@ def test_a_rank_that_collects_alone_is_first_the_collections_then_a_smaller_stra
     excess = m["late_rank_extra_other_ms"]
     assert late.recoverable_ms < excess - 0.8 * stopped
     assert late.recoverable_ms < 0.5 * m["own_estimate_ms"]
+
+
+@pytest.mark.parametrize("fixture", [IN_FETCH, FIXTURES / "cpu_uneven_2rank"])
+def test_waits_the_collections_do_not_explain_are_not_put_on_them(fixture):
+    """Passes inside fetches (the DataLoader's, not a peer's wait) and uneven work without passes:
+    the straggler's passing reason stays jitter or uneven work."""
+    d = diagnose_paths([fixture])
+    for c in d.checks:
+        assert "stopped in garbage collections" not in c.reason, (c.id, c.reason)
+    straggler = next(c for c in d.checks if c.id == "straggler")
+    assert "uneven work: the load_imbalance check judges which" in straggler.reason

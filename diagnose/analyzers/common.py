@@ -53,6 +53,25 @@ WAITS_FOR_PEERS = frozenset({"straggler", "load_imbalance"})
 """Checks whose own measure is time ranks wait at collectives for their peers."""
 
 
+def paused_peers(ctx, wait_ms: float, replayed_ms: float | None = None) -> str | None:
+    """A wait for peers (`wait_ms` a step, its check's own measure) that the step model's replay
+    gives back less than half of (`replayed_ms`; None: every rank brought to the median, the
+    waits' own edit), where the placed garbage collections (step/pauses.py) give back at least half
+    of the difference: the clause saying the waits were for peers stopped in collections."""
+    m = getattr(ctx, "model", None)
+    if m is None or not m.trusted:
+        return None
+    if replayed_ms is None:
+        replayed_ms = m.saving("load_imbalance")
+    if replayed_ms is None or replayed_ms >= 0.5 * wait_ms:
+        return None
+    paused = m.saving("gc_pause")
+    if paused is None or paused < 0.5 * (wait_ms - replayed_ms):
+        return None
+    return (f"the waits were for peers stopped in garbage collections, which the step model sets apart: "
+            f"removing those gives back {paused:.1f} ms per profiled step, the gc_pause check's")
+
+
 def flag_or_pass(finding: Finding, threshold: float, th: Thresholds, reason_flag: str, ctx=None) -> Check:
     """Flagged when the cause costs at least `threshold` of the step. With ctx, where the step
     model is faithful and can express the cause, what it costs is what the replay gives back with
@@ -71,13 +90,10 @@ def flag_or_pass(finding: Finding, threshold: float, th: Thresholds, reason_flag
     why = below(threshold, ms, share)
     if replayed is not None:
         why = f"removing it gives back {why} (replayed; its own measure: {finding.recoverable_ms:.2f} ms"
-        gap = finding.recoverable_ms - replayed
         # a wait for peers whose process stood still in a garbage collection is that collection's
-        paused = m.saving("gc_pause") if finding.id in WAITS_FOR_PEERS and replayed < 0.5 * finding.recoverable_ms \
-            else None
-        if paused is not None and paused >= 0.5 * gap:
-            why += (f"; the waits were for peers stopped in garbage collections, which the step model sets apart: "
-                    f"removing those gives back {paused:.1f} ms per profiled step, the gc_pause check's)")
+        paused = paused_peers(ctx, finding.recoverable_ms, replayed) if finding.id in WAITS_FOR_PEERS else None
+        if paused is not None:
+            why += f"; {paused})"
         else:
             why += "; other waits take its place)" if replayed < 0.5 * finding.recoverable_ms else ")"
     return Check(id=finding.id, title=finding.title, status="passed", reason=why, measured_ms=finding.recoverable_ms)

@@ -58,7 +58,7 @@ import pandas as pd
 
 from diagnose.analyzers import imbalance
 from diagnose.analyzers.chance import binom_sf, mean_positive_p
-from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
+from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable, paused_peers
 from diagnose.analyzers.why_late import ALSO_SHARE, reduce, why_late  # noqa: F401 - reduce: the checklist entry's
 from diagnose.context import Context
 from diagnose.errors import one_line
@@ -466,7 +466,8 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
                 f"{'it' if len(named) == 1 else 'them'} may be either; profile more steps to tell" if need is not None
                 else f"no rank is late more than chance: {who} last at {consistent:.0%} of {n} collectives against "
                      f"{late.chance:.0%} by chance ({tested}); the {ms:.1f} ms per step of waiting is no single "
-                     "rank's to fix (arrival jitter, or uneven work: the load_imbalance check judges which)")
+                     "rank's to fix (" + (paused_peers(ctx, ms) or "arrival jitter, or uneven work: the "
+                                          "load_imbalance check judges which") + ")")
         return Check(id=ID, title=TITLE, status="passed", measured_ms=0.0,
                      reason=said + ", and not booked as exposed communication either")
     if size is None:
