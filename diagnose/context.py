@@ -192,7 +192,7 @@ def build_context(run: Run, probes: dict[int, ProbeData] | None = None, th: Thre
         error = one_line(f"the step graph could not be built ({type(exc).__name__}: {exc})")[:300]
     groups = late_peers(run, matched, model, th)
     matched = wait_for_group(matched, tuple(r for g in groups for r in g))
-    table = breakdown_table(run, matched)
+    table = breakdown_table(run, matched, pauses if model is not None else None)
     matched = matched.on_disk(spill)  # wait_for_group's, where it made one
     return Context(run=run, matched=matched, table=table, probes=probes or {}, model=model,
                    model_error=error, pauses=pauses if model is not None else {}, late_groups=groups)

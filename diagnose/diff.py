@@ -22,13 +22,14 @@ import click
 from diagnose import __version__
 from diagnose.model import CHECK_ORDER, Diagnosis
 
-DIFF_VERSION = "1.5"  # 1.1: "prediction" (the before run's predicted saving against the measured one);
+DIFF_VERSION = "1.6"  # 1.1: "prediction" (the before run's predicted saving against the measured one);
 # 1.2: "every_step_ms" (both runs' every recorded step outside their windows: extras.window);
 # 1.3: a side's "run_in_directory" (--before-run/--after-run K) where it was one of several runs there;
 # 1.4: a side's "unnamed_wait" (its extras.unnamed_wait: nothing named, yet a rank waited for a peer);
 # 1.5: the prediction's "measured_over" ("profiled steps", or "every recorded step" where every
-# fixed cause was sized over the run: Finding.over)
-COMPONENTS = ("compute_ms", "exposed_comm_ms", "straggler_wait_ms", "dataloader_ms", "other_ms")
+# fixed cause was sized over the run: Finding.over); 1.6: "gc_ms" in breakdown_ms (StepBreakdown.gc_ms,
+# schema 1.18)
+COMPONENTS = ("compute_ms", "exposed_comm_ms", "straggler_wait_ms", "dataloader_ms", "gc_ms", "other_ms")
 # The breakdown component each check's cause lands in; measured on both sides even when a
 # check passes, so a cause that disappeared still has an "after" number.
 CHECK_COMPONENT = {
@@ -36,6 +37,7 @@ CHECK_COMPONENT = {
     "exposed_communication": "exposed_comm_ms",
     "straggler": "straggler_wait_ms",
     "load_imbalance": "straggler_wait_ms",
+    "gc_pause": "gc_ms",
 }
 UNCHANGED_MS = 0.5
 """A flagged-in-both cause whose recoverable time moved less than this is 'unchanged'."""
@@ -265,7 +267,8 @@ def diff_summary(diff: dict) -> str:
     if bc:
         b, a = diff["before"]["breakdown_ms"], diff["after"]["breakdown_ms"]
         lines.append("where the step went (mean over ranks, ms): " + ", ".join(
-            f"{k.removesuffix('_ms').replace('_', ' ')} {b[k]:.1f} -> {a[k]:.1f}" for k in bc))
+            f"{k.removesuffix('_ms').replace('_', ' ')} {b[k]:.1f} -> {a[k]:.1f}" for k in bc
+            if k != "gc_ms" or b[k] or a[k]))  # gc: placed collections, none on most runs
     hb, ha = (_dict_get(diff[s], "hta") for s in ("before", "after"))
     if hb or ha:
         if hb.get("status") == ha.get("status") == "ok":

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-SCHEMA_VERSION = "1.17"
+SCHEMA_VERSION = "1.18"
 
 FindingId = Literal[
     "dataloader_starvation",
@@ -123,6 +123,10 @@ class StepBreakdown:
     straggler_wait_ms: float
     dataloader_ms: float
     other_ms: float
+    gc_ms: float = 0.0
+    """CPU ranks: Python's garbage collections the probes placed in the step (step/pauses.py),
+    out of the DataLoader wait where a pass began inside a fetch, else out of the host time (other,
+    then compute: the process stood still, whatever the trace shows); 0 elsewhere."""
     other_by_cause_ms: dict[str, float] = field(default_factory=dict)
     """GPU ranks: other_ms (device idle outside DataLoader waits) split by the idle model's
     classes (diagnose/step/idle.py: latency, queued, sync, input, launch, unattributed); the

@@ -21,11 +21,13 @@ import numpy as np
 
 # (breakdown key, legend label, colour, bar pattern). Okabe-Ito colours are
 # colour-blind safe; the patterns keep the stack readable in greyscale/print.
+GC_COLOUR = "#882255"  # the step graph's garbage-collection part (diagnose/step/pauses.py)
 COMPONENTS: tuple[tuple[str, str, str, str], ...] = (
     ("compute_ms", "compute", "#0072B2", ""),
     ("exposed_comm_ms", "exposed comm", "#E69F00", "/"),
     ("straggler_wait_ms", "straggler wait", "#D55E00", "x"),
     ("dataloader_ms", "dataloader wait", "#009E73", "."),
+    ("gc_ms", "garbage collection", GC_COLOUR, "+"),  # drawn only where a rank has some (shown_components)
     ("other_ms", "other / idle", "#9E9E9E", "\\"),
 )
 # GPU ranks: other_ms split by why the device idled (the idle model's classes, in the JSON as
@@ -39,7 +41,6 @@ IDLE_CAUSES: tuple[tuple[str, str, str, str], ...] = (
     ("idle_unattributed", "idle: unattributed", "#9E9E9E", "|"),
 )
 FLAGGED_COLOUR, OTHER_COLOUR = "#CC3311", "#BBBBBB"
-GC_COLOUR = "#882255"  # the step graph's garbage-collection part (diagnose/step/pauses.py)
 # ColorBrewer's RdBu reversed (plotly.py's "RdBu_r": blue early, red late), as the stops plotly.py
 # writes for that name: plotly.js knows no "RdBu_r", and its own "RdBu" is another scale
 DIVERGING = [[i / 10, c] for i, c in enumerate((
@@ -194,10 +195,12 @@ IDLE_KEYS = frozenset(c[0] for c in IDLE_CAUSES)
 def shown_components(means: dict[int, dict[str, float]]) -> tuple[tuple[str, str, str, str], ...]:
     """The components to draw: with the idle split, the idle causes replace "other / idle" (kept
     only where something is left over, e.g. CPU ranks beside GPU ones)."""
+    comps = COMPONENTS if any(m.get("gc_ms", 0.0) > 0.0005 for m in means.values()) else \
+        tuple(c for c in COMPONENTS if c[0] != "gc_ms")  # no collection placed (GPU ranks, older probes)
     if not any(k in IDLE_KEYS for m in means.values() for k in m):
-        return COMPONENTS
-    rest = COMPONENTS[-1:] if any(m.get("other_ms", 0.0) > 0.0005 for m in means.values()) else ()
-    return COMPONENTS[:-1] + IDLE_CAUSES + rest
+        return comps
+    rest = comps[-1:] if any(m.get("other_ms", 0.0) > 0.0005 for m in means.values()) else ()
+    return comps[:-1] + IDLE_CAUSES + rest
 
 
 def component_label(key: str) -> str:
@@ -471,10 +474,11 @@ def diff_breakdown_bars(before: dict, after: dict) -> Figure | None:
     if not all(isinstance(b, dict) and any(num(v) is not None for v in b.values()) for _, b in sides):
         return None
     x = [f"{name}: {plot_text(label)}" for name, (label, _) in zip(("before", "after"), sides)]
+    comps = shown_components({i: {k: num(v) or 0.0 for k, v in b.items()} for i, (_, b) in enumerate(sides)})
     fig = _figure(*(_trace("bar", x=x, y=[num(b.get(key)) or 0.0 for _, b in sides], name=label, width=0.35,
                            marker=_bar_marker(colour, shape),
                            hovertemplate=f"%{{x}}<br>{label}: %{{y:.2f}} ms<extra></extra>")
-                    for key, label, colour, shape in COMPONENTS))
+                    for key, label, colour, shape in comps))
     return _layout(fig, "Mean step time before and after, by component (ms, mean over ranks)", barmode="stack",
                    yaxis={"title": {"text": "ms per step"}})
 

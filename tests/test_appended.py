@@ -46,7 +46,7 @@ def test_the_breakdown_frame_gives_back_its_rows_as_computed(where):
     import pandas as pd
 
     from diagnose.context import build_context
-    from diagnose.step.breakdown import CAUSE_COLUMNS, FIELDS, HAS_CAUSES, MS_FIELDS, breakdown_rows
+    from diagnose.step.breakdown import CAUSE_COLUMNS, FIELDS, GC_IN_FETCH, HAS_CAUSES, MS_FIELDS, breakdown_rows
     from diagnose.step.idle import CLASSES
     from tests.conftest import fixture_run, shared_run
 
@@ -63,7 +63,7 @@ def test_the_breakdown_frame_gives_back_its_rows_as_computed(where):
     again = pd.DataFrame({f: [getattr(b, f) for b in rows] for f in FIELDS if f != "other_by_cause_ms"})
     pd.testing.assert_frame_equal(again, table[list(again.columns)])
     # the split by cause, a column per class in the frame, a dict per row (empty without a split)
-    assert list(table.columns) == list(again.columns) + list(CAUSE_COLUMNS) + [HAS_CAUSES]
+    assert list(table.columns) == list(again.columns) + list(CAUSE_COLUMNS) + [HAS_CAUSES, GC_IN_FETCH]
     for b, (_, row) in zip(rows, table.iterrows()):
         assert b.other_by_cause_ms == ({c: row[k] for c, k in zip(CLASSES, CAUSE_COLUMNS)} if row[HAS_CAUSES] else {})
         assert all(type(v) is float for v in b.other_by_cause_ms.values())

@@ -69,7 +69,7 @@ def test_diagnosis_json_contract(tmp_path):
     assert res.exit_code == 0, res.output
     assert res.output.startswith("VERDICT:")
     d = json.loads((tmp_path / "diagnosis.json").read_text())
-    assert d["schema_version"] == "1.17"
+    assert d["schema_version"] == "1.18"
     for b in d["breakdown"]:  # 1.1: other_ms split by why the device idled (GPU run)
         assert b["other_by_cause_ms"] and abs(sum(b["other_by_cause_ms"].values()) - b["other_ms"]) < 1e-3
     for key in ("world_size", "backend", "device", "steps_analysed", "ranks_found", "ranks_missing"):

@@ -120,11 +120,52 @@ def test_passes_inside_fetches_leave_the_dataloaders_part():
     m = f.metrics
     # the window's wait was mostly the collection; what is left is the Dataset's own work, and the
     # replay and the check's own figure agree on it
+    # the wait it cites is the trace's (the breakdown's DataLoader part plus the passes it gave up)
+    waits = {r: float(run.timelines[r].cover.per_step[:, 2].mean()) / 1000 for r in passes}
+    assert m["dataloader_ms_per_step"] == pytest.approx(max(waits.values()), abs=0.01)
     assert m["gc_in_wait_ms"] > 0.5 * m["dataloader_ms_per_step"]
     assert m["gc_in_wait_unplaced_ms"] < 0.05 * m["gc_in_wait_ms"]  # middle generations under 1 ms only
     assert f.recoverable_ms == pytest.approx(m["own_estimate_ms"], abs=0.5)
     assert f.recoverable_ms < 0.25 * m["gc_in_wait_ms"]
     assert f.confidence != "low"
+
+
+@pytest.mark.parametrize("fixture", [PLACED, IN_FETCH])
+def test_the_breakdown_books_the_collections_the_graph_carries(fixture):
+    """One model of the step: the per-rank breakdown (the report's bars, why_late's sources) books
+    each placed pass as its part gc_ms, the same time the graph's part "gc" holds, out of the
+    DataLoader wait where it began in a fetch and out of the host time otherwise."""
+    from diagnose.step.breakdown import GC_IN_FETCH, MS_FIELDS
+
+    passes = _window_passes(fixture)
+    run = load_run([fixture])
+    ctx = build_context(run, load_probe_data([fixture]))
+    t = ctx.table
+    parts = [f for f in MS_FIELDS if f != "step_ms"]
+    assert np.allclose(t[parts].sum(axis=1), t["step_ms"], atol=1e-6)  # still disjoint, still the step
+    graph_gc = _part_ms(ctx, "gc")
+    for r, v in passes.items():
+        mine = t[t["rank"] == r].set_index("step")
+        assert mine["gc_ms"].sum() == pytest.approx(graph_gc[r], abs=1.0)
+        for step, ms, in_fetch in v:
+            assert mine.at[step, "gc_ms"] == pytest.approx(ms, abs=1.0)
+            if in_fetch:  # out of the wait: what the trace showed is the wait plus it
+                assert mine.at[step, GC_IN_FETCH] == pytest.approx(ms, abs=1.0)
+                waited = float(run.timelines[r].cover.per_step[:, 2].sum()) / 1000
+                assert (mine["dataloader_ms"] + mine[GC_IN_FETCH]).sum() == pytest.approx(waited, abs=0.01)
+            else:  # out of the host time between ops: no step keeps a pass's worth of it
+                assert mine.at[step, GC_IN_FETCH] == 0.0
+                assert mine["other_ms"].max() < 0.25 * ms
+        quiet = mine.drop(index=[s for s, _, _ in v])
+        assert (quiet["gc_ms"] == 0.0).all()
+
+
+def test_the_report_draws_the_collections_only_where_a_rank_has_some():
+    from diagnose.output import diagnosis_dict
+    from diagnose.reports.html import render
+
+    assert '"name":"garbage collection"' in render(diagnosis_dict(diagnose_paths([PLACED])))
+    assert '"name":"garbage collection"' not in render(diagnosis_dict(diagnose_paths([FIXTURES / "cpu_straggler_2rank"])))
 
 
 def test_collections_older_probes_did_not_place_stay_out_of_the_graph():
@@ -160,13 +201,20 @@ def test_a_rank_that_collects_alone_is_first_the_collections_then_a_smaller_stra
     steps = d.extras["replay"]["critical_path"]["steps"]
     stopped = sum(ms for _, ms, _ in passes[0]) / steps
     m = late.metrics
-    # the reason says how much of the rank's excess host time was its collections, and the replay
-    # (the named rank to the median, the collections kept) gives back the rest, not the wait
+    # the breakdown books the collections as their own part (gc_ms), not as the rank's host gaps:
+    # the reason names both, and the replay (the named rank to the median, the collections kept)
+    # gives back about the host gaps' excess, not the wait
     assert m["late_rank_extra_gc_ms"] == pytest.approx(stopped, abs=1.0)
-    assert "ms per step of it in Python garbage collections" in next(c for c in d.checks if c.id == "straggler").reason
+    reason = next(c for c in d.checks if c.id == "straggler").reason
+    assert "late from host gaps" in reason and "and from Python garbage collections (+" in reason
     excess = m["late_rank_extra_other_ms"]
-    assert late.recoverable_ms < excess - 0.8 * stopped
+    assert excess < 0.5 * stopped
+    assert late.recoverable_ms == pytest.approx(excess, abs=0.25 * excess)
     assert late.recoverable_ms < 0.5 * m["own_estimate_ms"]
+    # its fix is the host gaps' (the collections' is gc_pause's, first)
+    assert late.fix.startswith("Look for work outside the profiled ops on rank 0")
+    rank0 = [b for b in d.breakdown if b.rank == 0]
+    assert sum(b.gc_ms for b in rank0) / len(rank0) == pytest.approx(stopped, rel=0.05)
 
 
 @pytest.mark.parametrize("fixture", [IN_FETCH, FIXTURES / "cpu_uneven_2rank"])

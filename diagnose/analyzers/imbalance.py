@@ -45,6 +45,7 @@ SOURCES = {
     "compute_ms": "its ops (more work in its batch)",
     "dataloader_ms": "its DataLoader waits (batches unequal to load)",
     "other_ms": "time outside ops and waits (host contention, Python work, a wait the profiler does not record)",
+    "gc_ms": "Python garbage collections (each rank collecting at its own steps)",
 }
 FIX = {
     "compute_ms": ("Even out the work each rank gets per step: batch by tokens rather than by samples (a "
@@ -57,6 +58,9 @@ FIX = {
     "other_ms": ("Find what runs outside the ops on each step's slowest rank (py-spy or torch.profiler "
                  "with_stack=True on every rank); keep other processes off the ranks' cores (pin each rank "
                  "to its own cores) and Python work such as logging out of the step."),
+    "gc_ms": ("Collect on every rank at the same step: gc.disable() in the training loop and gc.collect() every "
+              "N steps (torchtitan's gc_freq), after gc.freeze() once the model and data are built (the gc_pause "
+              "check)."),
 }
 
 
@@ -82,7 +86,7 @@ def _slowest_by_every_step(every: pd.DataFrame) -> pd.Series:
 def _source(table: pd.DataFrame, slowest: pd.Series) -> dict[str, float]:
     """Per part of the breakdown, how much longer each step's slowest rank spent in it than the
     step's other ranks on average (ms, mean over the steps)."""
-    cols = [c for c in SOURCES if c in table.columns]
+    cols = [c for c in SOURCES if c in table.columns and (c != "gc_ms" or table[c].any())]
     t = table[table["step"].isin(slowest.index)]
     is_slow = t["rank"].to_numpy() == slowest.reindex(t["step"]).to_numpy()
     slow = t[is_slow].groupby("step")[cols].mean()

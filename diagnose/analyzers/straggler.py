@@ -114,6 +114,9 @@ FIX_BY_SOURCE = {
                  "Python work there only, or CPU contention on the host (py-spy dump --pid shows where it is)."),
     "exposed_comm_ms": ("Check the network on {who}'s host: slower transfers there (NIC, link errors, a shared "
                         "switch port) and the transport NCCL chose (NCCL_DEBUG=INFO)."),
+    "gc_ms": ("Keep Python's full garbage collections out of {who}'s steps: it collects while the others wait "
+              "(more long-lived Python objects there: metric histories, caches); gc.freeze() after setup, or "
+              "gc.disable() with gc.collect() every N steps at the same step on every rank (the gc_pause check)."),
 }
 """The fix, by what the (latest) named rank is late from (why_late): more to act on than FIX."""
 FIX_EVAL_ALONE = ("{who} runs an evaluation inside the training steps that the other ranks do not (`if rank == 0: "
@@ -414,9 +417,10 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
     if len(named) == 1 or group or then:
         # several: explained by the latest (named[0]) against the median other rank
         w = why_late(ctx, named[0])
-        if w.key in FIX_BY_SOURCE:
+        # late from nothing but its collections: theirs is the fix
+        keys = [w.key] + [k for k, _, _ in w.also] if w.key is not None else ["gc_ms"] if w.paused_ms > 0 else []
+        if keys and keys[0] in FIX_BY_SOURCE:
             ranks_text = f"rank {names}" if len(named) == 1 else f"ranks {names}"
-            keys = [w.key] + [k for k, _, _ in w.also]
             fix = " Then: ".join(FIX_BY_SOURCE[k].format(who=ranks_text) for k in keys if k in FIX_BY_SOURCE)
         if w.evaluates_alone:  # what it is late from is the evaluation's: where that runs is the fix
             fix = FIX_EVAL_ALONE.format(who=f"Rank {named[0]}")
@@ -427,11 +431,12 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
             metrics["late_from"] = w.source + w.detail
             reason += (f"; {subject} late from {w.source} (+{w.excess[w.key]:.1f} ms per step against the median "
                        f"rank){w.detail}")
-            if w.paused_ms >= ALSO_SHARE * w.excess[w.key]:
-                # the breakdown cannot tell a collection from the time it stopped (step/pauses.py)
-                metrics["late_rank_extra_gc_ms"] = w.paused_ms
-                reason += (f", {w.paused_ms:.1f} ms per step of it in Python garbage collections (the gc_pause "
-                           "check's; the replay sets them apart)")
+        gc = (f"Python garbage collections (+{w.paused_ms:.1f} ms per step: the gc_pause check's, which the replay "
+              "sets apart)")
+        if w.paused_ms > 0 and w.source and w.key and w.paused_ms >= ALSO_SHARE * w.excess[w.key]:
+            reason += f", and from {gc}"
+        elif w.paused_ms > 0 and not w.source:
+            reason += f"; {subject} late from {gc} alone"
         for k, v in w.excess.items():
             metrics[f"late_rank_extra_{k}"] = v
         if w.ops:

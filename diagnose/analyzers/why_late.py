@@ -2,7 +2,8 @@
 
 Its step breakdown against the median of the other ranks (compute, the DataLoader, host gaps or
 device idle, its own communication: the largest excess is named; on GPU ranks late from device
-idle, the idle class it has most more of), and its ops (CPU: self time per op name; GPU: kernels
+idle, the idle class it has most more of; its placed garbage collections said apart, the gc_pause
+check's), and its ops (CPU: self time per op name; GPU: kernels
 per name) against the median rank's over the same steps: "aten::mm +111.0 ms/step (+8 calls)".
 The op table is each rank's per-rank summary (`reduce`, run next to the trace: RankOps).
 """
@@ -26,7 +27,7 @@ DATALOADER_FACTS = "dataloader"
 """The per-rank summary's name (the straggler check's entry in the checklist)."""
 TOP_OPS = 200  # per rank: enough to diff any op that matters, small enough to ship from a worker
 SOURCES = {"compute_ms": "compute", "dataloader_ms": "the DataLoader", "other_ms": "host gaps or device idle",
-           "exposed_comm_ms": "its own communication"}
+           "exposed_comm_ms": "its own communication", "gc_ms": "Python garbage collections"}
 CPU_OTHER = "host gaps"
 """A CPU rank's "other" time: outside any profiled op (it has no device to idle)."""
 EVAL_ALONE = 0.5
@@ -165,9 +166,8 @@ class WhyLate:
     also: tuple[tuple[str, str, float], ...] = ()
     """Other components it has ALSO_SHARE of the largest excess or more: (key, label, ms per step)."""
     paused_ms: float = 0.0
-    """Its excess in garbage collections the probes placed in the profiled steps (step/pauses.py),
-    ms per step: inside the breakdown's components (host gaps, the DataLoader), which do not know
-    them apart."""
+    """Its excess in garbage collections the probes placed in the profiled steps (the breakdown's
+    gc_ms), ms per step: not among the sources above (the gc_pause check's, set apart by the replay)."""
     evaluation_ms: float = 0.0
     """Its excess in evaluation loops inside the steps (dataloader.RankInput.evaluation_ms: a
     DataLoader iterated with autograd off, its batches and forward passes), ms per step: an
@@ -188,16 +188,21 @@ class WhyLate:
 
 
 def why_late(ctx: Context, rank: int) -> WhyLate:
-    means = ctx.table.groupby("rank")[list(SOURCES)].mean()
+    # gc: only where the probes placed a collection in the profiled steps (no zeros said elsewhere)
+    cols = [c for c in SOURCES if c != "gc_ms" or ctx.table[c].any()]
+    means = ctx.table.groupby("rank")[cols].mean()
     if rank not in means.index or len(means) < 2:
         return WhyLate(None, None, {}, "", 0.0, "")
     excess = (means.loc[rank] - means.drop(index=rank).median()).to_dict()
-    top = max(excess, key=excess.get)
+    # the collections are the gc_pause check's, which the replay sets apart: what the rank is late
+    # from beyond them is the straggler's (its replayed figure, its fix)
+    paused = max(float(excess.get("gc_ms", 0.0)), 0.0)
+    top = max((k for k in excess if k != "gc_ms"), key=excess.get)
     def label(key: str) -> str:
         return CPU_OTHER if key == "other_ms" and not ctx.run.is_gpu else SOURCES[key]
     source = label(top) if excess[top] > 0 else None
     also = tuple((k, label(k), round(float(v), 3)) for k, v in sorted(excess.items(), key=lambda kv: -kv[1])
-                 if k != top and source and v > 0 and v >= ALSO_SHARE * excess[top])
+                 if k not in (top, "gc_ms") and source and v > 0 and v >= ALSO_SHARE * excess[top])
     detail = ""
     if top == "other_ms" and source and HAS_CAUSES in ctx.table:
         # GPU ranks: which kind of device idle the late rank has more of (the idle model's classes).
@@ -225,8 +230,7 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
                                                              else "") for n, v in top_ops.items())
         ops_ms = float(d_ms[d_ms > 0].sum())
     return WhyLate(source, top if source else None, {k: round(float(v), 3) for k, v in excess.items()}, ops,
-                   round(ops_ms, 3), detail, also, round(_paused_excess(ctx, rank), 3),
-                   round(_evaluation_excess(ctx, rank), 3))
+                   round(ops_ms, 3), detail, also, round(paused, 3), round(_evaluation_excess(ctx, rank), 3))
 
 
 def _evaluation_excess(ctx: Context, rank: int) -> float:
@@ -241,11 +245,3 @@ def _evaluation_excess(ctx: Context, rank: int) -> float:
         return 0.0
     return max(facts[rank].evaluation_ms - float(np.median(others)), 0.0)
 
-
-def _paused_excess(ctx: Context, rank: int) -> float:
-    """The rank's placed garbage collections per profiled step above the median other rank's."""
-    if not ctx.pauses:
-        return 0.0
-    per_step = {r: pz.ms_per_step for r, pz in ctx.pauses.items()}
-    others = [per_step.get(r, 0.0) for r in ctx.run.ranks if r != rank]
-    return max(per_step.get(rank, 0.0) - float(np.median(others)), 0.0) if others else 0.0

@@ -3,7 +3,10 @@
 Components are disjoint and sum to the step time (priority order, so overlapping
 activity is counted once):
 - GPU: compute > communication > DataLoader wait > other (GPU idle).
-- CPU: DataLoader wait > compute > communication > other (host gaps, sleeps).
+- CPU: DataLoader wait > compute > communication > other (host gaps, sleeps); Python's garbage
+  collections the probes placed in the step (step/pauses.py) come out of the DataLoader wait where
+  a pass began inside a fetch, else out of other and then compute (the process stood still), never
+  out of communication: `gc`, the step graph's part of the same name, from the same intervals.
 On GPU ranks `other` is split by the idle model's classes (why the device idled).
 Communication not hidden under compute is split into the part spent waiting for the
 single last-arriving rank of each collective, or for the ranks late together when the context
@@ -25,6 +28,7 @@ from diagnose.step.collectives import Matched, RowsByValue
 from diagnose.step.cover import column
 from diagnose.step.idle import CLASSES
 from diagnose.step.intervals import Intervals, covered, intersect, subtract, union
+from diagnose.step.pauses import Pauses
 
 
 class Waits:
@@ -67,9 +71,9 @@ def exposed_comm(run: Run, rank: int, waits: Waits) -> Intervals:
     return subtract(exposed_set, mine) if mine is not None and len(mine) else exposed_set
 
 
-def compute_breakdown(run: Run, matched: Matched) -> list[StepBreakdown]:
+def compute_breakdown(run: Run, matched: Matched, pauses: dict[int, Pauses] | None = None) -> list[StepBreakdown]:
     """One StepBreakdown per (rank, step), rank after rank."""
-    return list(breakdown_rows(breakdown_table(run, matched)))
+    return list(breakdown_rows(breakdown_table(run, matched, pauses)))
 
 
 FIELDS = tuple(f.name for f in fields(StepBreakdown))
@@ -80,7 +84,10 @@ CAUSE_COLUMNS = tuple(f"other_by_cause_ms:{c}" for c in CLASSES)
 rank has no split): a dict a row was ~0.4 KB a DLRM rank held through every check (#20)."""
 HAS_CAUSES = "other_by_cause"
 """breakdown_table's column saying which rows have the split (GPU ranks with an idle model)."""
-TABLE_COLUMNS = tuple(f for f in FIELDS if f != "other_by_cause_ms") + CAUSE_COLUMNS + (HAS_CAUSES,)
+GC_IN_FETCH = "gc_in_fetch_ms"
+"""breakdown_table's column of gc_ms taken out of the DataLoader wait: dataloader_ms plus it is
+the wait the trace shows (what the DataLoader check cites, and takes its collections off)."""
+TABLE_COLUMNS = tuple(f for f in FIELDS if f != "other_by_cause_ms") + CAUSE_COLUMNS + (HAS_CAUSES, GC_IN_FETCH)
 
 
 def cause_column(cls: str) -> str:
@@ -88,7 +95,24 @@ def cause_column(cls: str) -> str:
     return CAUSE_COLUMNS[CLASSES.index(cls)]
 
 
-def breakdown_table(run: Run, matched: Matched) -> pd.DataFrame:
+def _collections(pz: Pauses, offset: float, lo: np.ndarray, hi: np.ndarray, exposed_set: Intervals,
+                 dl: np.ndarray, other: np.ndarray, compute: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The placed collections' time in each step (us), and how much of it comes out of the
+    DataLoader wait, other and compute: (gc, from dl, from other, from compute). Outside the
+    exposed communication, as the step graph's lanes are outside their blocked stretches; a pass
+    that began in a fetch out of the wait (capped by it), the rest out of other, then compute."""
+    a, b = lo + offset, hi + offset  # the pauses are on the run's aligned clock
+    shifted = Intervals(exposed_set.starts + offset, exposed_set.ends + offset) if len(exposed_set) else exposed_set
+    every = subtract(pz.every, shifted) if len(shifted) else pz.every
+    fetch = subtract(pz.in_fetch, shifted) if len(shifted) else pz.in_fetch
+    in_fetch = np.minimum(covered(fetch, a, b), dl)
+    rest = np.maximum(covered(every, a, b) - covered(fetch, a, b), 0.0)
+    from_other = np.minimum(rest, other)
+    from_compute = np.minimum(rest - from_other, compute)
+    return in_fetch + from_other + from_compute, in_fetch, from_other, from_compute
+
+
+def breakdown_table(run: Run, matched: Matched, pauses: dict[int, Pauses] | None = None) -> pd.DataFrame:
     """The breakdown as one frame, a row per (rank, step) and a column per StepBreakdown field, the
     split of other_ms by cause a column per class (TABLE_COLUMNS; empty, no columns, when no rank
     has a step): what the checks read (Context.table). Built a column at a time from each rank's
@@ -111,6 +135,11 @@ def breakdown_table(run: Run, matched: Matched) -> pd.DataFrame:
         wait = np.minimum(wait, exposed)
         exposed = exposed - wait
         other = np.maximum(step_us - compute - exposed - wait - dl, 0.0)
+        gc = gc_dl = np.zeros(lo.size)
+        if (pz := (pauses or {}).get(r)) is not None and lo.size:
+            gc, gc_dl, gc_other, gc_compute = _collections(pz, run.clock_offsets_us.get(r, 0.0), lo, hi,
+                                                           exposed_set, dl, other, compute)
+            dl, other, compute = dl - gc_dl, other - gc_other, compute - gc_compute
         gaps = run.idle.get(r)
         split = gaps.outside_dataloader_us if gaps is not None and not isinstance(gaps, ReduceFailed) else None
         n = len(tl.steps.step)
@@ -122,7 +151,8 @@ def breakdown_table(run: Run, matched: Matched) -> pd.DataFrame:
                      ("start_us", np.asarray(lo, dtype=np.float64)), ("step_ms", step_us / 1000),
                      ("compute_ms", compute / 1000), ("exposed_comm_ms", exposed / 1000),
                      ("straggler_wait_ms", wait / 1000), ("dataloader_ms", dl / 1000), ("other_ms", other / 1000),
-                     *zip(CAUSE_COLUMNS, causes.T), (HAS_CAUSES, np.full(n, split is not None))):
+                     ("gc_ms", gc / 1000), *zip(CAUSE_COLUMNS, causes.T), (HAS_CAUSES, np.full(n, split is not None)),
+                     (GC_IN_FETCH, gc_dl / 1000)):
             out[f].add(v)
     if not out["rank"].n:
         return pd.DataFrame()
