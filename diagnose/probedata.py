@@ -92,6 +92,21 @@ def signal_mean(p: ProbeData, name: str) -> float:
     return float(np.nanmean(v)) if np.isfinite(v).any() else math.nan
 
 
+RUN_WAIT_SAMPLES = 2
+"""Telemetry samples of run_wait a rank needs for its share (one per 2 s: a run of a few seconds)."""
+
+
+def run_wait_share(p: ProbeData) -> float | None:
+    """The rank's training thread's mean share of wall time spent ready to run and waiting for a
+    core (telemetry `run_wait`); None with fewer than RUN_WAIT_SAMPLES samples of it."""
+    t = p.telemetry
+    if t.empty or "run_wait" not in t:
+        return None
+    w = t["run_wait"].to_numpy(dtype=float)
+    ok = np.isfinite(w)
+    return float(np.mean(w[ok])) if ok.sum() >= RUN_WAIT_SAMPLES else None
+
+
 def host_cores(p: ProbeData) -> int | None:
     """The rank's host's CPU count as its probes read it (None where not recorded)."""
     n = p.meta.get("cpu_count")

@@ -17,7 +17,10 @@ cause removed (the work itself got slower per rank). Replayed costs do not add u
 two causes is not the sum of removing each), so the remainder, with profiler overhead and
 noise, is an explicit unexplained bar, never hidden. Where a run's replay does not reproduce
 its steps, or cannot express a cause (CPU per-op overhead), the check's own measured estimate
-stands in, and `causes_from` says so.
+stands in, and `causes_from` says so. CPU contention (the training thread waiting for a core:
+the probes' samples of its run-queue delay over the run, a share of the traced step) is taken out
+of compute on CPU ranks: more ranks and workers on the same cores lose speedup that would
+otherwise read as compute inflation.
 
 What-if per cause: the step less what the replay gives back without the cause (a wait lasts
 as long outside the profiler's window as in it; the host's own op time is scaled instead, and
@@ -36,11 +39,12 @@ from diagnose.model import Diagnosis
 from diagnose.ingest.assemble import Reader
 from diagnose.ingest.discover import has_traces
 from diagnose.pipeline import diagnose_paths
-from diagnose.probedata import job_step_ms, load_probe_data
+from diagnose.probedata import RUN_WAIT_SAMPLES, job_step_ms, load_probe_data, run_wait_share
 from diagnose.rundir import last_attempt, resolve_run
 from diagnose.units import rank_ranges
 
-CAUSES = ("dataloader_starvation", "input_stall", "exposed_communication", "straggler", "launch_overhead")
+CAUSES = ("dataloader_starvation", "input_stall", "exposed_communication", "straggler", "launch_overhead",
+          "cpu_contention")
 SCHEMA_VERSION = "1.1"
 
 
@@ -99,10 +103,12 @@ class Scaling:
     schema_version: str = SCHEMA_VERSION
 
 
-def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None]:
-    """Median every-step time across ranks outside profiler windows, and the per-rank batch size."""
+def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None, float | None]:
+    """Median every-step time across ranks outside profiler windows, the per-rank batch size, and
+    the largest share of wall time a rank's training thread waited for a core (None: not sampled)."""
     probes = load_probe_data([run_dir])
     per_rank, batch = [], None
+    waited = [w for w in map(run_wait_share, probes.values()) if w is not None]
     for p in probes.values():
         if p.steps.empty:
             continue
@@ -120,7 +126,7 @@ def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None]:
             per_rank.append(float(np.median(ms)))
         b = (p.meta.get("dataloader") or {}).get("batch_size")
         batch = b if isinstance(b, int) else batch
-    return (statistics.median(per_rank) if per_rank else None), batch
+    return (statistics.median(per_rank) if per_rank else None), batch, (max(waited) if waited else None)
 
 
 def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None,
@@ -135,7 +141,8 @@ def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None,
     d = diagnose_paths([traces], reader=reader, run_k=run_k)
     # a job torchelastic restarted: the every-step record of the attempt its traces came from; none
     # where one of several runs was picked (a rerun overwrote the records: another run's, maybe)
-    probe_ms, probe_batch = (None, None) if run_k is not None else _probe_step_ms(last_attempt(traces, has_traces)[0])
+    probe_ms, probe_batch, waited = (None, None, None) if run_k is not None else \
+        _probe_step_ms(last_attempt(traces, has_traces)[0])
     trace_ms = statistics.fmean(d.run.mean_step_ms.values())
     step_ms, source = (probe_ms, "probe steps") if probe_ms else (trace_ms, "traced steps")
     batch = batch_size or probe_batch
@@ -152,6 +159,14 @@ def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None,
         # on CPU the per-op overhead is inside the compute lane (and the replay cannot remove it):
         # count it once
         compute -= causes.get("launch_overhead", 0.0)
+        if waited is not None:
+            # the training thread's wait for a core (the probes' samples over the run, a share of wall
+            # time) stretches its ops and gaps alike: in the traced step's terms, and out of compute,
+            # which holds it (no replay removes it). More ranks and workers on the same cores is a
+            # loss of speedup the waterfall otherwise books as compute inflation. Not on GPU ranks,
+            # where the device runs queued work while the host waits (cpu_contention's upper bound).
+            causes["cpu_contention"] = min(waited * trace_ms, max(compute, 0.0))
+            compute -= causes["cpu_contention"]
     point = ScalePoint(nproc=nproc, step_ms=step_ms, step_source=source, per_rank_batch=batch,
                        throughput=(nproc * batch / step_ms * 1000) if batch else None, speedup=1.0,
                        efficiency=1.0, run_dir=str(run_dir), trace_step_ms=trace_ms, causes_ms=causes,
@@ -167,13 +182,20 @@ def analyze_scaling(runs: dict[int, Path], mode: str = "weak", batch_size: int |
     if len(runs) < 2:
         raise DiagnoseError("scaling needs runs at two or more world sizes")
     measured = {n: measure_point(n, Path(p), batch_size, reader, (run_k or {}).get(n)) for n, p in sorted(runs.items())}
+    # the wait for a core, sampled at some sizes and not others (a run of a few seconds: too few
+    # samples): counted as none there, which the bar between them then carries
+    cpu = [n for n, (_, d) in measured.items() if not d.run.device.startswith(("cuda", "rocm"))]
+    unsampled = [n for n in cpu if "cpu_contention" not in measured[n][0].causes_ms]
+    contention = [f"N={n}: the training threads' wait for a core was not sampled (a run under "
+                  f"{RUN_WAIT_SAMPLES * 2} s, or older probes): its CPU contention counted as none"
+                  for n in unsampled] if len(unsampled) < len(cpu) else []
     baseline = measured[min(measured)][1].findings
     top = measured[max(measured)][1]
     ranks = {f.id: tuple(f.ranks) for f in top.findings}
     s = account({n: pt for n, (pt, _) in measured.items()}, mode, baseline, ranks)
     picked = tuple(f"N={n}: run {k} of the runs written into {runs[n]} (--run {n}={k}); its step time from its traces"
                    for n, k in sorted((run_k or {}).items()))
-    return replace(s, warnings=s.warnings + picked), {n: d for n, (_, d) in measured.items()}
+    return replace(s, warnings=s.warnings + picked + tuple(contention)), {n: d for n, (_, d) in measured.items()}
 
 
 def what_if_step(p: ScalePoint, cause: str) -> float | None:
@@ -190,9 +212,10 @@ def what_if_step(p: ScalePoint, cause: str) -> float | None:
     return step_without(p.step_ms, basis, basis - left, scales=cause in SCALES_WITH_PROFILER)
 
 
-SCALES_WITH_PROFILER = ("launch_overhead",)
+SCALES_WITH_PROFILER = ("launch_overhead", "cpu_contention")
 """Causes made of the host's own op time, which the profiler's per-op overhead lengthens in the
-profiled steps (the others are waits: for a batch, a late peer, a transfer, a drained queue)."""
+profiled steps, or a share of it (the wait for a core); the others are waits: for a batch, a late
+peer, a transfer, a drained queue."""
 
 
 def step_without(step_ms: float, basis_ms: float, removed_ms: float, scales: bool = False) -> float:
@@ -261,7 +284,9 @@ def account(measured: dict[int, ScalePoint], mode: str = "weak", baseline_findin
         "causes: " + ("the replay's figures where a run's replay reproduces its steps, elsewhere " if "replay" in
                       sources else "") + "the same per-step estimates `diagnose analyze` reports for each run",
         "lost speedup per cause = (N/N0) x (increase in its ms per step) / traced step time; compute inflation "
-        "= the growth of the step with every cause removed; replayed causes do not add up, so the remainder, "
+        "= the growth of the step with every cause removed (on CPU ranks less the training thread's wait for a "
+        "core, CPU contention: the probes' share of wall time, times the traced step); replayed causes do not "
+        "add up, so the remainder, "
         "with profiler overhead and noise, is shown as unexplained",
         "what-if: the step less what the replay gives back without the cause (the host's own op time, "
         "launch overhead, scaled by the step over the replayed step instead); every other wait stays in place",
@@ -274,7 +299,9 @@ def account(measured: dict[int, ScalePoint], mode: str = "weak", baseline_findin
 
 LABELS = {"dataloader_starvation": "DataLoader starvation", "input_stall": "blocking input copies",
           "exposed_communication": "exposed communication", "straggler": "waiting for a straggler",
-          "launch_overhead": "launch / per-op overhead", "compute_inflation": "compute inflation",
+          "launch_overhead": "launch / per-op overhead",
+          "cpu_contention": "CPU contention, the training threads waiting for a core",
+          "compute_inflation": "compute inflation",
           "unexplained": "unexplained", "every_cause": "every cause together"}
 
 

@@ -14,6 +14,7 @@ LABELS = {
     "exposed_communication": "exposed communication",
     "straggler": "straggler wait",
     "launch_overhead": "launch / per-op overhead",
+    "cpu_contention": "CPU contention",
     "compute_inflation": "compute inflation",
     "unexplained": "unexplained",
     "every_cause": "every cause together",

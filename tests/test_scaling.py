@@ -1,6 +1,8 @@
 """The scaling arithmetic on hand-built points (the e2e tests run real jobs)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from diagnose.scaling import ScalePoint, account
@@ -97,3 +99,48 @@ def test_an_estimate_as_long_as_the_step_gets_no_what_if():
     # a check's own estimate (no replay) can reach the step: no zero or negative what-if step
     s = account({1: point(1, 100.0, {}, 100.0), 2: point(2, 120.0, {"straggler": 130.0}, 100.0)})
     assert [x.id for x in s.what_if] == []
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_more_ranks_on_the_same_cores_lose_speedup_to_cpu_contention_not_compute_inflation():
+    """tests/fixtures/cpu_scale_contended_n1 / _n2 (READMEs there): one job at 1 and 2 ranks whose
+    samples burn CPU in two DataLoader workers a rank, on this 2-core host. The step doubles (121 ->
+    250 ms); the waterfall called it compute inflation, the growth of the step with every cause
+    removed. The probes sample each training thread's wait for a core: that wait is the loss."""
+    from diagnose.probedata import load_probe_data, run_wait_share
+    from diagnose.scaling import analyze_scaling
+
+    n1, n2 = FIXTURES / "cpu_scale_contended_n1", FIXTURES / "cpu_scale_contended_n2"
+    s, _ = analyze_scaling({1: n1, 2: n2})
+    assert s.waterfall[0].id == "cpu_contention", s.waterfall
+    assert "the largest loss is CPU contention" in s.verdict
+    bars = {b.id: b for b in s.waterfall}
+    # compute inflation no longer carries the wait (it read +60 ms and more before)
+    assert bars["compute_inflation"].delta_ms < 0.5 * bars["cpu_contention"].delta_ms
+    # each size's figure: the largest share of wall time a rank's training thread waited for a core,
+    # of the traced step, taken out of compute (which held it)
+    for n, d in ((1, n1), (2, n2)):
+        p = next(x for x in s.points if x.nproc == n)
+        share = max(run_wait_share(pr) for pr in load_probe_data([d]).values())
+        assert p.causes_ms["cpu_contention"] == pytest.approx(share * p.trace_step_ms, rel=1e-6)
+    assert sum(b.lost_speedup for b in s.waterfall) == pytest.approx(s.ideal_speedup - s.observed_speedup, abs=1e-3)
+    # slow at one rank already (1 rank and 2 workers on 2 cores), but most of the loss comes with the second rank
+    assert [f["id"] for f in s.baseline] == ["cpu_contention"]
+    assert bars["cpu_contention"].delta_ms > 4 * s.points[0].causes_ms["cpu_contention"]
+    assert not [w for w in s.warnings if "not sampled" in w]
+
+
+def test_a_size_whose_wait_for_a_core_was_not_sampled_is_said(tmp_path):
+    """A run of a few seconds has too few telemetry samples: its contention counts as none, and the
+    scaling warns, rather than leaving a bar that silently carries the other size's."""
+    import shutil
+
+    from diagnose.scaling import analyze_scaling
+
+    n1 = tmp_path / "n1"
+    shutil.copytree(FIXTURES / "cpu_scale_contended_n1", n1, ignore=shutil.ignore_patterns("*.telemetry.jsonl"))
+    s, _ = analyze_scaling({1: n1, 2: FIXTURES / "cpu_scale_contended_n2"})
+    assert "cpu_contention" not in s.points[0].causes_ms
+    assert any(w.startswith("N=1: the training threads' wait for a core was not sampled") for w in s.warnings)

@@ -22,7 +22,7 @@ import numpy as np
 from diagnose.analyzers.common import flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
-from diagnose.probedata import host_cores, job_step_ms, ranks_on_host, signal_mean
+from diagnose.probedata import RUN_WAIT_SAMPLES, host_cores, job_step_ms, ranks_on_host, run_wait_share, signal_mean
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -35,8 +35,6 @@ FIX_WORKERS = ("This host runs {ranks} rank(s) and {workers} DataLoader worker p
 FIX_OTHER = ("Other work on this host takes the training threads' cores ({cores} core(s), {busy}): find it (top -H, "
              "or pidstat -t 2), keep other jobs off the host, and pin each rank to cores of its own (numactl "
              "--physcpubind or taskset per rank).")
-MIN_SAMPLES = 2
-"""Telemetry samples a rank needs (one per 2 s: a run of a few seconds at least)."""
 
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
@@ -45,20 +43,16 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     on_cpu: dict[int, float] = {}
     step_ms: dict[int, float] = {}
     for r, p in sorted(ctx.probes.items()):
-        t = p.telemetry
-        if t.empty or "run_wait" not in t or p.steps.empty:
+        waited = run_wait_share(p)
+        if waited is None or p.steps.empty:
             continue
-        w = t["run_wait"].to_numpy(dtype=float)
-        ok = ~np.isnan(w)
-        if ok.sum() < MIN_SAMPLES:
-            continue
-        share[r] = float(np.mean(w[ok]))
+        share[r] = waited
         busy[r], on_cpu[r] = signal_mean(p, "cpu_busy"), signal_mean(p, "thread_cpu")
         ms = job_step_ms(p.steps)
         step_ms[r] = float(np.nanmean(ms)) if np.isfinite(ms).any() else np.nan
     if not share:
         return [not_measurable(ID, TITLE, "the probes did not sample the training thread's wait for a CPU (no "
-                               f"telemetry with run_wait: older probes, a run under {MIN_SAMPLES * 2} s, or not Linux)")]
+                               f"telemetry with run_wait: older probes, a run under {RUN_WAIT_SAMPLES * 2} s, or not Linux)")]
     lost = {r: share[r] * step_ms[r] for r in share if np.isfinite(step_ms[r])}
     if not lost:
         return [not_measurable(ID, TITLE, "no recorded step times beside the telemetry")]
