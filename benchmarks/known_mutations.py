@@ -127,6 +127,8 @@ MUTATIONS = [
     ("diagnose/scaling.py", '            causes["cpu_contention"] = min(waited * trace_ms, max(compute, 0.0))',
      '            causes["cpu_contention"] = min(0.5 * waited * trace_ms, max(compute, 0.0))',
      "the wait for a core halved in scaling"),
+    ("diagnose/analyzers/imbalance.py", '    contended = _contended(ctx, th) if (key or "compute_ms") in SLOWED_BY else None',
+     "    contended = None", "turns of the slowest rank on a contended host told to rebalance batches"),
     ("probes/core.py", "                                       tid=threading.get_native_id()), f)", "), f)",
      "the process's main thread sampled where another thread runs the loop"),
     ("diagnose/analyzers/straggler.py", "        if w.evaluates_alone:  # what it is late from", "        if False:  #",

@@ -107,3 +107,31 @@ def test_the_probe_samples_the_thread_that_runs_the_loop_not_the_main_thread(tmp
     assert len(lines) >= 3
     busy = [x["thread_cpu"] + x["run_wait"] for x in lines[:-1]]  # the last may straddle the loop's end
     assert min(busy) > 0.7, busy
+
+
+def test_turns_of_slowest_rank_on_a_contended_host_are_not_told_to_rebalance_batches():
+    """The contended job's batches are equal random tensors, yet the ranks took turns being slowest
+    (each the one whose cores the other's workers took): "Uneven work across ranks", fix "batch by
+    tokens ... balance the routing", confidence high. Now the reason and the fix say the turns may
+    be the contention's, and its confidence is low."""
+    from diagnose.analyzers.imbalance import FIX, FIX_CONTENDED
+
+    d = diagnose_paths([CONTENDED])
+    assert [f.id for f in d.findings][0] == ID
+    f = next(f for f in d.findings if f.id == "load_imbalance")
+    assert f.fix == FIX_CONTENDED + FIX["compute_ms"] and f.confidence == "low"
+    waits = [np.mean([x["run_wait"] for x in _lines(CONTENDED / f"rank{r}.telemetry.jsonl")]) for r in (0, 1)]
+    assert f.metrics["run_wait_share"] == pytest.approx(max(waits), abs=1e-4)
+    c = next(c for c in d.checks if c.id == "load_imbalance")
+    assert "may be the contention's, not uneven batches" in c.reason and "more work in its batch" not in c.reason
+
+
+def test_uneven_batches_on_a_host_with_cores_to_spare_keep_their_own_fix():
+    """The twin: random extra work per rank and step, the training threads seldom waiting for a core."""
+    from diagnose.analyzers.imbalance import FIX
+
+    d = diagnose_paths([FIXTURES / "cpu_uneven_sampled_2rank"])
+    assert [f.id for f in d.findings] == ["load_imbalance"]
+    f = d.findings[0]
+    assert f.fix == FIX["compute_ms"] and f.confidence == "high" and "run_wait_share" not in f.metrics
+    assert next(c for c in d.checks if c.id == ID).status == "passed"

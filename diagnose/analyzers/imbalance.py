@@ -32,7 +32,7 @@ import pandas as pd
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
-from diagnose.probedata import every_step_last
+from diagnose.probedata import every_step_last, run_wait_share
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -62,6 +62,23 @@ FIX = {
               "N steps (torchtitan's gc_freq), after gc.freeze() once the model and data are built (the gc_pause "
               "check)."),
 }
+
+
+FIX_CONTENDED = ("First give the training threads their cores back (the cpu_contention check's fix): ranks that "
+                 "wait for a core take turns being the slowest with the same work, whichever rank the host's other "
+                 "work (DataLoader workers, other ranks, other jobs) took the cores from. If the turns remain once "
+                 "no rank waits for a core: ")
+"""The fix where the host's training threads waited for cores (cpu_contention) and the slowest rank
+is longer in its ops or between them: both are what a thread short of cores shows."""
+SLOWED_BY = {"compute_ms": "its ops", "other_ms": "time outside ops and waits"}
+"""The parts a thread short of cores stretches, as said without naming a cause."""
+
+
+def _contended(ctx: Context, th: Thresholds) -> float | None:
+    """The largest share of wall time a rank's training thread waited for a core over the run (the
+    probes' samples), from the cpu_contention check's threshold up; else None."""
+    shares = [w for w in map(run_wait_share, ctx.probes.values()) if w is not None]
+    return max(shares) if shares and max(shares) >= th.cpu_contention else None
 
 
 def _slowest_by_profiled_step(table: pd.DataFrame) -> pd.Series:
@@ -170,13 +187,24 @@ def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...], ever
               f"{own:.1f} ms per step on average for each step's slowest")
     if balanced is not None:
         reason += f"; bringing every rank to the median rank gives back {balanced:.1f} ms per step (replayed)"
+    contended = _contended(ctx, th) if (key or "compute_ms") in SLOWED_BY else None
     if key is not None:
-        reason += (f"; each step's slowest rank is longer in {SOURCES[key]}: +{extra[key]:.1f} ms per step "
-                   "against the other ranks")
+        said = SOURCES[key] if contended is None else SLOWED_BY[key]  # not "more work" where it may be slower work
+        reason += f"; each step's slowest rank is longer in {said}: +{extra[key]:.1f} ms per step against the other ranks"
+    fix = FIX.get(key or "compute_ms")
+    if contended is not None:
+        # the same batches on every rank read as uneven work where the ranks share too few cores
+        # (tests/fixtures/cpu_cores_contended_2rank: "batch by tokens" for equal random batches)
+        metrics["run_wait_share"] = round(contended, 4)
+        reason += (f"; but the training threads waited for a core {contended:.0%} of the time over the run (the "
+                   "cpu_contention check): a rank short of cores is slower with the same work, so the turns may be "
+                   "the contention's, not uneven batches")
+        fix = FIX_CONTENDED + fix
+        base = "low"
     share = own / ctx.mean_step_ms if ctx.mean_step_ms > 0 else 0.0
     f = Finding(
         id=ID, title=TITLE, severity=th.severity(share), recoverable_ms=round(own, 3), share_of_step=round(share, 4),
-        ranks=ranks, metrics=metrics, events=_late_rows(ctx), fix=FIX.get(key or "compute_ms"),
+        ranks=ranks, metrics=metrics, events=_late_rows(ctx), fix=fix,
         confidence=confidence_for(ctx, base),
         method="Mean over ranks of the per-step time spent waiting at collectives for a late peer: each rank "
                "waits for the step's slowest rank, so this is the slowest rank's excess over the mean rank, "

@@ -417,8 +417,10 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
     if len(named) == 1 or group or then:
         # several: explained by the latest (named[0]) against the median other rank
         w = why_late(ctx, named[0])
-        # late from nothing but its collections: theirs is the fix
-        keys = [w.key] + [k for k, _, _ in w.also] if w.key is not None else ["gc_ms"] if w.paused_ms > 0 else []
+        if w.key is not None:
+            keys = [w.key] + [k for k, _, _ in w.also]
+        else:  # late from nothing but its collections: theirs is the fix
+            keys = ["gc_ms"] if w.paused_ms > 0 else []
         if keys and keys[0] in FIX_BY_SOURCE:
             ranks_text = f"rank {names}" if len(named) == 1 else f"ranks {names}"
             fix = " Then: ".join(FIX_BY_SOURCE[k].format(who=ranks_text) for k in keys if k in FIX_BY_SOURCE)
