@@ -129,6 +129,8 @@ MUTATIONS = [
      "the wait for a core halved in scaling"),
     ("diagnose/analyzers/imbalance.py", '    contended = _contended(ctx, th) if (key or "compute_ms") in SLOWED_BY else None',
      "    contended = None", "turns of the slowest rank on a contended host told to rebalance batches"),
+    ("diagnose/diff.py", "        predicted = float(combined) + sum(fixed[c] for c in alone)",
+     "        predicted = float(combined)", "a fixed cause no replay expresses left out of the combined prediction"),
     ("probes/core.py", "                                       tid=threading.get_native_id()), f)", "), f)",
      "the process's main thread sampled where another thread runs the loop"),
     ("diagnose/analyzers/straggler.py", "        if w.evaluates_alone:  # what it is late from", "        if False:  #",

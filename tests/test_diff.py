@@ -139,3 +139,25 @@ def test_a_side_with_nothing_named_but_a_rank_waiting_says_so():
     # a hand-edited side: no caution, no crash
     diff["after"]["unnamed_wait"] = {"rank": HOSTILE}
     assert HOSTILE not in render_diff(diff)
+
+
+def test_a_fixed_cause_no_replay_expresses_is_added_to_the_combined_what_if():
+    """Fixing CPU contention (and the uneven turns it caused): the combined replay has no edit for
+    contention, so the prediction was the turns' 28.1 ms against 131.3 measured (-79%). Its own
+    figure now comes on top (fixtures' READMEs)."""
+    from pathlib import Path
+
+    from diagnose.pipeline import diagnose_paths
+
+    fixtures = Path(__file__).parent / "fixtures"
+    before = diagnose_paths([fixtures / "cpu_cores_contended_2rank"])
+    after = diagnose_paths([fixtures / "cpu_cores_uncontended_2rank"])
+    d = diff_diagnoses(before, after)
+    p = d["prediction"]
+    assert set(p["causes"]) == {"cpu_contention", "load_imbalance"} == set(d["findings_gone"])
+    contention = next(f for f in before.findings if f.id == "cpu_contention")
+    assert "replay_recoverable_ms" not in contention.metrics
+    combined = before.extras["replay"]["combined_what_if_ms"]
+    assert p["predicted_saving_ms"] == pytest.approx(combined + contention.recoverable_ms, abs=0.01)
+    assert "plus cpu_contention's own figure" in p["method"]
+    assert abs(p["error"]) < 0.25, p
