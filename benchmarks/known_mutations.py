@@ -131,6 +131,8 @@ MUTATIONS = [
      "    contended = None", "turns of the slowest rank on a contended host told to rebalance batches"),
     ("diagnose/diff.py", "        predicted = float(combined) + sum(fixed[c] for c in alone)",
      "        predicted = float(combined)", "a fixed cause no replay expresses left out of the combined prediction"),
+    ("diagnose/live.py", "                              cpu_wait=_cpu_wait(pdir, r, warnings)))",
+     "                              cpu_wait=None))", "the live view blind to a contended host"),
     ("probes/core.py", "                                       tid=threading.get_native_id()), f)", "), f)",
      "the process's main thread sampled where another thread runs the loop"),
     ("diagnose/analyzers/straggler.py", "        if w.evaluates_alone:  # what it is late from", "        if False:  #",

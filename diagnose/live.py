@@ -26,6 +26,9 @@ class RankLive:
     comm_ms: float
     age_s: float
     """Seconds since this rank's last finished step."""
+    cpu_wait: float | None = None
+    """Share of wall time its training thread waited for a core over the last LIVE_SAMPLES
+    telemetry samples (None: not sampled, older probes, not Linux)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,8 @@ class LiveView:
     """The latest slowdown over the whole record (diagnose/step/changes.py), as "since step N ..."."""
 
 
+LIVE_SAMPLES = 10
+"""Telemetry samples read a rank for its CPU wait (one per 2 s by default: the last ~20 s)."""
 STALE_MIN_S = 15.0
 STALE_STEPS = 10
 """No rank finishing a step for STALE_STEPS median steps (at least STALE_MIN_S): the job has
@@ -65,7 +70,8 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
         ranks.append(RankLive(rank=r, step=last["step"], step_ms=statistics.median(durs),
                               dataloader_share=statistics.median(dl) if dl else 0.0,
                               comm_ms=statistics.median(x.get("comm_ms", 0.0) for x in t),
-                              age_s=max(0.0, now - (last["start"] + last["dur_ms"] / 1000))))
+                              age_s=max(0.0, now - (last["start"] + last["dur_ms"] / 1000)),
+                              cpu_wait=_cpu_wait(pdir, r, warnings)))
     if not ranks:
         return LiveView((), None, 0, None, 0.0, "no finished step yet", window, tuple(warnings))
     furthest = max(x.step for x in ranks)
@@ -93,6 +99,12 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
     if late_rank is not None and late_ms / step_ms >= th.straggler:
         suspects.append((late_ms, f"straggler: rank {late_rank} arrives last at collectives, "
                                   f"{late_ms:.1f} ms after the others"))
+    waiting = [x for x in ranks if x.cpu_wait is not None]
+    worst_cpu = max(waiting, key=lambda x: x.cpu_wait) if waiting else None
+    if worst_cpu is not None and worst_cpu.cpu_wait >= th.cpu_contention:
+        suspects.append((worst_cpu.cpu_wait * worst_cpu.step_ms,
+                         f"CPU contention: rank {worst_cpu.rank}'s training thread waits for a core "
+                         f"{worst_cpu.cpu_wait:.0%} of the time"))
     comm = statistics.median(x.comm_ms for x in ranks)
     if comm / step_ms >= th.communication and late_rank is None:
         suspects.append((comm, f"communication: collectives take {comm / step_ms:.0%} of each step"))
@@ -107,6 +119,20 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
                      f"(`diagnose hang` tells which); over its last steps: {suspicion}")
     return LiveView(tuple(ranks), slowest.rank, furthest - slowest.step, late_rank, late_ms, suspicion, window,
                     tuple(warnings), quiet_s=quiet, change=latest_change(pdir, th))
+
+
+def _cpu_wait(pdir: Path, rank: int, warnings: list[str]) -> float | None:
+    """The rank's training thread's recent wait for a core (run_wait over its last LIVE_SAMPLES
+    samples), None where its probes sampled none."""
+    from diagnose.probedata import RUN_WAIT_SAMPLES, load_telemetry
+
+    path = pdir / f"rank{rank}.telemetry.jsonl"
+    if not path.exists():
+        return None
+    t, bad = load_telemetry(path, max_lines=LIVE_SAMPLES)
+    warnings.extend(bad)
+    w = t["run_wait"].dropna() if "run_wait" in t else ()
+    return float(w.mean()) if len(w) >= RUN_WAIT_SAMPLES else None
 
 
 def slowdowns(pdir: Path, th: Thresholds = DEFAULT) -> tuple:
@@ -155,12 +181,13 @@ def wait_for_change(pdir: Path, timeout_s: float, poll_s: float = 2.0, th: Thres
 
 
 def render(view: LiveView) -> str:
-    lines = [f"{'rank':>4} {'step':>7} {'step ms':>9} {'data wait':>9} {'comm ms':>8} {'last seen':>9}"]
+    lines = [f"{'rank':>4} {'step':>7} {'step ms':>9} {'data wait':>9} {'comm ms':>8} {'cpu wait':>8} {'last seen':>9}"]
     for x in view.ranks:
         mark = " <- slowest" if x.rank == view.slowest_rank and view.behind_steps > 0 else ""
         mark += " <- late at collectives" if x.rank == view.late_rank else ""
+        cpu = f"{x.cpu_wait:>8.0%}" if x.cpu_wait is not None else f"{'-':>8}"  # not sampled: not 0
         lines.append(f"{x.rank:>4} {x.step:>7} {x.step_ms:>9.1f} {x.dataloader_share:>9.0%} {x.comm_ms:>8.1f} "
-                     f"{x.age_s:>8.1f}s{mark}")
+                     f"{cpu} {x.age_s:>8.1f}s{mark}")
     if view.slowest_rank is not None and view.behind_steps > 0:
         lines.append(f"slowest rank: {view.slowest_rank}, {view.behind_steps} step(s) behind the furthest")
     elif view.ranks:  # in step: which rank is slow is the late-at-collectives mark's to say
