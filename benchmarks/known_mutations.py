@@ -133,6 +133,8 @@ MUTATIONS = [
      "        predicted = float(combined)", "a fixed cause no replay expresses left out of the combined prediction"),
     ("diagnose/live.py", "                              cpu_wait=_cpu_wait(pdir, r, warnings)))",
      "                              cpu_wait=None))", "the live view blind to a contended host"),
+    ("diagnose/analyzers/straggler.py", "        if starved:  # the same ops run slower for want of a core",
+     "        if False:  #", "a straggler slowed by a busy neighbour on its core told to balance its work"),
     ("probes/core.py", "                                       tid=threading.get_native_id()), f)", "), f)",
      "the process's main thread sampled where another thread runs the loop"),
     ("diagnose/analyzers/straggler.py", "        if w.evaluates_alone:  # what it is late from", "        if False:  #",

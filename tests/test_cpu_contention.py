@@ -135,3 +135,30 @@ def test_uneven_batches_on_a_host_with_cores_to_spare_keep_their_own_fix():
     f = d.findings[0]
     assert f.fix == FIX["compute_ms"] and f.confidence == "high" and "run_wait_share" not in f.metrics
     assert next(c for c in d.checks if c.id == ID).status == "passed"
+
+
+def test_a_straggler_slowed_by_a_busy_neighbour_on_its_core_is_told_so_not_to_balance_work():
+    from diagnose.analyzers.straggler import FIX_CPU_WAIT
+
+    fixture = FIXTURES / "cpu_hog_one_rank_2rank"
+    d = diagnose_paths([fixture])
+    assert [f.id for f in d.findings] == [ID, "straggler"]
+    late = d.findings[1]
+    assert late.ranks == (1,) and late.fix == FIX_CPU_WAIT.format(who="rank 1")
+    m = late.metrics
+    waits = {r: np.mean([x["run_wait"] for x in _lines(fixture / f"rank{r}.telemetry.jsonl")]) for r in (0, 1)}
+    assert m["late_rank_cpu_wait_share"] == pytest.approx(waits[1], abs=1e-4)
+    assert m["median_rank_cpu_wait_share"] == pytest.approx(waits[0], abs=1e-4)
+    # what it is late from (its ops, the same calls) is about what the extra wait for a core stretched
+    assert m["late_from"] == "compute"
+    assert m["late_rank_extra_cpu_wait_ms"] == pytest.approx(m["late_rank_extra_compute_ms"], rel=0.25)
+    assert "the same work done slower, not more work" in next(c for c in d.checks if c.id == "straggler").reason
+
+
+@pytest.mark.parametrize("fixture", ["cpu_eval_one_rank_2rank", "cpu_gc_one_rank_2rank", "cpu_scale_contended_n2"])
+def test_a_late_rank_not_short_of_cores_keeps_its_fix(fixture):
+    from diagnose.analyzers.straggler import FIX_CPU_WAIT
+
+    for f in diagnose_paths([FIXTURES / fixture]).findings:
+        assert f.fix != FIX_CPU_WAIT.format(who=f"rank {','.join(map(str, f.ranks))}"), (f.id, f.fix)
+        assert "its cores back" not in f.fix

@@ -124,6 +124,13 @@ FIX_EVAL_ALONE = ("{who} runs an evaluation inside the training steps that the o
                   "shard of the validation set with the results all-reduced, or less often, or outside the training "
                   "loop (a separate process or job on a saved checkpoint).")
 HOST_FIX = "They share a host: look at that node first (its clocks and thermals, neighbours, storage, network). "
+FIX_CPU_WAIT = ("Give {who} its cores back: its training thread waits for a core far more than the others' (the "
+                "cpu_contention check), so its ops run slower with the same work; find what else runs there (top -H, "
+                "pidstat -t 2: another job, a busy process, too many DataLoader workers on its host), keep it off, "
+                "and pin each rank to cores of its own (numactl --physcpubind or taskset per rank).")
+CPU_WAIT_EXPLAINS = 0.5
+"""A late rank's extra wait for a core (ms of its step) from this share of what it is late from
+(compute or host gaps) up: the fix is its cores, not its work."""
 
 
 MAX_NAMED_IN_ORDER = 8
@@ -424,6 +431,10 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
         if keys and keys[0] in FIX_BY_SOURCE:
             ranks_text = f"rank {names}" if len(named) == 1 else f"ranks {names}"
             fix = " Then: ".join(FIX_BY_SOURCE[k].format(who=ranks_text) for k in keys if k in FIX_BY_SOURCE)
+        starved = (w.key in ("compute_ms", "other_ms") and w.cpu_wait_ms > 0
+                   and w.cpu_wait_ms >= CPU_WAIT_EXPLAINS * w.excess[w.key])
+        if starved:  # the same ops run slower for want of a core (a busy neighbour on its core)
+            fix = FIX_CPU_WAIT.format(who=f"rank {names}" if len(named) == 1 else f"ranks {names}")
         if w.evaluates_alone:  # what it is late from is the evaluation's: where that runs is the fix
             fix = FIX_EVAL_ALONE.format(who=f"Rank {named[0]}")
         if host:
@@ -451,6 +462,13 @@ def _straggler(ctx: Context, th: Thresholds, every: pd.DataFrame) -> Check:
                      "the time is outside them (a sleep, Python work, I/O, a wait the profiler does not record)")
             reason += (f"; its {'kernels' if ctx.run.is_gpu else 'ops'} take about as long as the median rank's "
                        f"({w.ops_ms:+.1f} ms per step in all): {where}")
+        if starved:
+            metrics["late_rank_cpu_wait_share"] = w.cpu_wait_share
+            metrics["median_rank_cpu_wait_share"] = w.cpu_wait_others
+            metrics["late_rank_extra_cpu_wait_ms"] = w.cpu_wait_ms
+            reason += (f"; its training thread waited for a core {w.cpu_wait_share:.0%} of the time over the run, the "
+                       f"median rank's {w.cpu_wait_others:.0%} (+{w.cpu_wait_ms:.1f} ms of its step; the cpu_contention "
+                       "check): the same work done slower, not more work")
         if w.also:  # after the op diff, which speaks of the largest source only
             reason += "; also from " + " and ".join(f"{label} (+{ms:.1f} ms per step)" for _, label, ms in w.also)
         if w.evaluates_alone:

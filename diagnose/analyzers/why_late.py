@@ -19,6 +19,7 @@ from diagnose.context import Context
 from diagnose.step.breakdown import CAUSE_COLUMNS, HAS_CAUSES
 from diagnose.step.idle import CLASSES
 from diagnose.ingest.load import KIND_KERNEL, RankTrace
+from diagnose.probedata import run_wait_share
 from diagnose.step.timeline import RankTimeline
 
 FACTS = "straggler"
@@ -168,6 +169,14 @@ class WhyLate:
     paused_ms: float = 0.0
     """Its excess in garbage collections the probes placed in the profiled steps (the breakdown's
     gc_ms), ms per step: not among the sources above (the gc_pause check's, set apart by the replay)."""
+    cpu_wait_ms: float = 0.0
+    """Its training thread's wait for a core (the probes' run_wait share over the run) above the
+    median other rank's, as ms of its mean profiled step: time its ops and gaps stretched for want
+    of a core, not more work (0 where the probes did not sample it)."""
+    cpu_wait_share: float = 0.0
+    """Its run_wait share over the run (0 where not sampled)."""
+    cpu_wait_others: float = 0.0
+    """The median other rank's."""
     evaluation_ms: float = 0.0
     """Its excess in evaluation loops inside the steps (dataloader.RankInput.evaluation_ms: a
     DataLoader iterated with autograd off, its batches and forward passes), ms per step: an
@@ -229,8 +238,21 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
         ops = ", ".join(f"{_short(n)} {v:+.2f} ms/step" + (f" ({d_calls[n]:+.0f} calls)" if abs(d_calls[n]) >= 0.5
                                                              else "") for n, v in top_ops.items())
         ops_ms = float(d_ms[d_ms > 0].sum())
+    mine, others = _cpu_waits(ctx, rank)
+    step = float(ctx.table.loc[ctx.table["rank"] == rank, "step_ms"].mean())
     return WhyLate(source, top if source else None, {k: round(float(v), 3) for k, v in excess.items()}, ops,
-                   round(ops_ms, 3), detail, also, round(paused, 3), round(_evaluation_excess(ctx, rank), 3))
+                   round(ops_ms, 3), detail, also, round(paused, 3), round(max(mine - others, 0.0) * step, 3),
+                   round(mine, 4), round(others, 4), round(_evaluation_excess(ctx, rank), 3))
+
+
+def _cpu_waits(ctx: Context, rank: int) -> tuple[float, float]:
+    """The rank's training thread's run_wait share over the run and the median other rank's ((0, 0)
+    where its probes, or fewer than half of the others', sampled none)."""
+    shares = {r: run_wait_share(p) for r, p in ctx.probes.items()}
+    others = [v for r, v in shares.items() if r != rank and v is not None]
+    if shares.get(rank) is None or len(others) < max(1, (len(ctx.run.ranks) - 1) // 2):
+        return 0.0, 0.0
+    return shares[rank], float(np.median(others))
 
 
 def _evaluation_excess(ctx: Context, rank: int) -> float:
