@@ -107,6 +107,11 @@ def run_wait_share(p: ProbeData) -> float | None:
     return float(np.mean(w[ok])) if ok.sum() >= RUN_WAIT_SAMPLES else None
 
 
+def run_wait_shares(probes: dict[int, ProbeData]) -> dict[int, float]:
+    """run_wait_share of every rank that has one."""
+    return {r: w for r, w in ((r, run_wait_share(p)) for r, p in probes.items()) if w is not None}
+
+
 def host_cores(p: ProbeData) -> int | None:
     """The rank's host's CPU count as its probes read it (None where not recorded)."""
     n = p.meta.get("cpu_count")

@@ -39,7 +39,7 @@ from diagnose.model import Diagnosis
 from diagnose.ingest.assemble import Reader
 from diagnose.ingest.discover import has_traces
 from diagnose.pipeline import diagnose_paths
-from diagnose.probedata import RUN_WAIT_SAMPLES, job_step_ms, load_probe_data, run_wait_share
+from diagnose.probedata import RUN_WAIT_SAMPLES, job_step_ms, load_probe_data, run_wait_shares
 from diagnose.rundir import last_attempt, resolve_run
 from diagnose.units import rank_ranges
 
@@ -108,7 +108,7 @@ def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None, float | Non
     the largest share of wall time a rank's training thread waited for a core (None: not sampled)."""
     probes = load_probe_data([run_dir])
     per_rank, batch = [], None
-    waited = [w for w in map(run_wait_share, probes.values()) if w is not None]
+    waited = max(run_wait_shares(probes).values(), default=None)
     for p in probes.values():
         if p.steps.empty:
             continue
@@ -126,7 +126,7 @@ def _probe_step_ms(run_dir: Path) -> tuple[float | None, int | None, float | Non
             per_rank.append(float(np.median(ms)))
         b = (p.meta.get("dataloader") or {}).get("batch_size")
         batch = b if isinstance(b, int) else batch
-    return (statistics.median(per_rank) if per_rank else None), batch, (max(waited) if waited else None)
+    return (statistics.median(per_rank) if per_rank else None), batch, waited
 
 
 def measure_point(nproc: int, run_dir: Path, batch_size: int | None = None,

@@ -32,7 +32,7 @@ import pandas as pd
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
-from diagnose.probedata import every_step_last, run_wait_share
+from diagnose.probedata import every_step_last, run_wait_shares
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -77,8 +77,8 @@ SLOWED_BY = {"compute_ms": "its ops", "other_ms": "time outside ops and waits"}
 def _contended(ctx: Context, th: Thresholds) -> float | None:
     """The largest share of wall time a rank's training thread waited for a core over the run (the
     probes' samples), from the cpu_contention check's threshold up; else None."""
-    shares = [w for w in map(run_wait_share, ctx.probes.values()) if w is not None]
-    return max(shares) if shares and max(shares) >= th.cpu_contention else None
+    worst = max(run_wait_shares(ctx.probes).values(), default=None)
+    return worst if worst is not None and worst >= th.cpu_contention else None
 
 
 def _slowest_by_profiled_step(table: pd.DataFrame) -> pd.Series:

@@ -19,7 +19,7 @@ from diagnose.context import Context
 from diagnose.step.breakdown import CAUSE_COLUMNS, HAS_CAUSES
 from diagnose.step.idle import CLASSES
 from diagnose.ingest.load import KIND_KERNEL, RankTrace
-from diagnose.probedata import run_wait_share
+from diagnose.probedata import run_wait_shares
 from diagnose.step.timeline import RankTimeline
 
 FACTS = "straggler"
@@ -248,9 +248,9 @@ def why_late(ctx: Context, rank: int) -> WhyLate:
 def _cpu_waits(ctx: Context, rank: int) -> tuple[float, float]:
     """The rank's training thread's run_wait share over the run and the median other rank's ((0, 0)
     where its probes, or fewer than half of the others', sampled none)."""
-    shares = {r: run_wait_share(p) for r, p in ctx.probes.items()}
-    others = [v for r, v in shares.items() if r != rank and v is not None]
-    if shares.get(rank) is None or len(others) < max(1, (len(ctx.run.ranks) - 1) // 2):
+    shares = run_wait_shares(ctx.probes)
+    others = [v for r, v in shares.items() if r != rank]
+    if rank not in shares or len(others) < max(1, (len(ctx.run.ranks) - 1) // 2):
         return 0.0, 0.0
     return shares[rank], float(np.median(others))
 
