@@ -6,6 +6,7 @@ steps' timings only (no trace), and says so.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
                               dataloader_share=statistics.median(dl) if dl else 0.0,
                               comm_ms=statistics.median(x.get("comm_ms", 0.0) for x in t),
                               age_s=max(0.0, now - (last["start"] + last["dur_ms"] / 1000)),
-                              cpu_wait=_cpu_wait(pdir, r, warnings)))
+                              cpu_wait=_cpu_wait(pdir, r, t, warnings)))
     if not ranks:
         return LiveView((), None, 0, None, 0.0, "no finished step yet", window, tuple(warnings))
     furthest = max(x.step for x in ranks)
@@ -121,10 +122,16 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
                     tuple(warnings), quiet_s=quiet, change=latest_change(pdir, th))
 
 
-def _cpu_wait(pdir: Path, rank: int, warnings: list[str]) -> float | None:
-    """The rank's training thread's recent wait for a core (run_wait over its last LIVE_SAMPLES
-    samples), None where its probes sampled none."""
-    from diagnose.probedata import RUN_WAIT_SAMPLES, load_telemetry
+def _cpu_wait(pdir: Path, rank: int, tail: list[dict], warnings: list[str]) -> float | None:
+    """The rank's training thread's recent wait for a core, as a share of wall time: over the
+    view's steps where their records hold it (run_wait_ms), else over its last LIVE_SAMPLES
+    telemetry samples (older probes); None where its probes read none."""
+    from diagnose.probedata import RUN_WAIT_SAMPLES, RUN_WAIT_STEPS, as_number, load_telemetry
+
+    read = [(as_number(x.get("run_wait_ms")), as_number(x.get("dur_ms"))) for x in tail]
+    read = [(w, d) for w, d in read if math.isfinite(w) and math.isfinite(d) and d > 0]  # NaN: not read
+    if len(read) >= RUN_WAIT_STEPS:
+        return min(sum(w for w, _ in read) / sum(d for _, d in read), 1.0)
 
     path = pdir / f"rank{rank}.telemetry.jsonl"
     if not path.exists():

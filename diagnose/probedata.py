@@ -45,7 +45,7 @@ BATCH_LINES = 4096
 MAX_TELEMETRY_LINES = 100_000
 """Host and device samples kept per rank, the newest (2 days at the probes' one per 2 s)."""
 STEP_COLUMNS = ["step", "start", "dur_ms", "dataloader_ms", "comm_ms", "device_ms", "first_batch_ms", "gc_ms",
-                "gc_full", "gc_full_ms", "dataloader_gc_ms"]
+                "gc_full", "gc_full_ms", "dataloader_gc_ms", "run_wait_ms"]
 COLLECTIVE_COLUMNS = ["step", "seq", "name", "arrival", "dur_ms", "bytes", "group"]
 GC_PASS_COLUMNS = ["step", "start", "dur_ms", "generation", "in_fetch"]
 OPTIONAL_STEP_FIELDS = ("first_batch_ms", "gc_ms", "gc_full", "gc_full_ms", "dataloader_gc_ms")
@@ -63,7 +63,8 @@ class ProbeData:
     gc_ms, gc_full and gc_full_ms (time in Python's garbage collections of generations 1 and 2,
     how many were full passes and their time; 0 where none, or the probe predates their timing:
     its metadata's `gc` says it timed them), dataloader_gc_ms (of dataloader_ms, collections
-    inside the fetches); warm-up step 0 excluded."""
+    inside the fetches), run_wait_ms (the training thread's wait for a core during the step; NaN
+    where not read: older probes, not Linux, the first step); warm-up step 0 excluded."""
     collectives: pd.DataFrame
     """step, seq, name, arrival (epoch s), dur_ms, bytes, group."""
     gc_passes: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -96,15 +97,33 @@ RUN_WAIT_SAMPLES = 2
 """Telemetry samples of run_wait a rank needs for its share (one per 2 s: a run of a few seconds)."""
 
 
-def run_wait_share(p: ProbeData) -> float | None:
-    """The rank's training thread's mean share of wall time spent ready to run and waiting for a
-    core (telemetry `run_wait`); None with fewer than RUN_WAIT_SAMPLES samples of it."""
+RUN_WAIT_STEPS = 5
+"""Recorded steps with the training thread's run-queue wait a rank needs for its share from them."""
+
+
+def run_wait_basis(p: ProbeData) -> tuple[float, str] | None:
+    """The rank's training thread's share of wall time spent ready to run and waiting for a core,
+    and what it is over: its recorded steps where the probes read the wait at every step end
+    (run_wait_ms: every step, runs of a second too), else its telemetry samples (`run_wait`, one
+    per 2 s); None with fewer than RUN_WAIT_STEPS such steps and RUN_WAIT_SAMPLES samples."""
+    s = p.steps
+    if not s.empty and "run_wait_ms" in s:
+        w, dur = s["run_wait_ms"].to_numpy(dtype=float), s["dur_ms"].to_numpy(dtype=float)
+        ok = np.isfinite(w) & np.isfinite(dur)
+        if ok.sum() >= RUN_WAIT_STEPS and dur[ok].sum() > 0:
+            return float(min(w[ok].sum() / dur[ok].sum(), 1.0)), f"{int(ok.sum())} recorded steps"
     t = p.telemetry
     if t.empty or "run_wait" not in t:
         return None
     w = t["run_wait"].to_numpy(dtype=float)
     ok = np.isfinite(w)
-    return float(np.mean(w[ok])) if ok.sum() >= RUN_WAIT_SAMPLES else None
+    return (float(np.mean(w[ok])), f"{int(ok.sum())} telemetry samples") if ok.sum() >= RUN_WAIT_SAMPLES else None
+
+
+def run_wait_share(p: ProbeData) -> float | None:
+    """run_wait_basis's share alone."""
+    b = run_wait_basis(p)
+    return None if b is None else b[0]
 
 
 def run_wait_shares(probes: dict[int, ProbeData]) -> dict[int, float]:
@@ -173,12 +192,13 @@ def as_number(x) -> float:
 class _Columns:
     """Step records parsed straight into typed columns (no dict kept per step)."""
 
-    __slots__ = ("step", "start", "dur", "dl", "comm", "optional", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
+    __slots__ = ("step", "start", "dur", "dl", "comm", "run_wait", "optional", "c_step", "c_seq", "c_name", "c_arrival", "c_dur",
                  "c_bytes", "c_group", "d_step", "d_ms", "g_step", "g_start", "g_dur", "g_gen", "g_fetch", "codes")
 
     def __init__(self, codes: dict[str, int]) -> None:
         self.step, self.c_step = array("q"), array("q")
         self.start, self.dur, self.dl, self.comm = array("d"), array("d"), array("d"), array("d")
+        self.run_wait = array("d")  # NaN where the record has none (older probes): not 0
         self.optional = {k: array("d") for k in OPTIONAL_STEP_FIELDS}
         self.c_seq, self.c_name, self.c_group = array("q"), array("q"), array("q")
         self.c_arrival, self.c_dur, self.c_bytes = array("d"), array("d"), array("d")
@@ -218,6 +238,7 @@ class _Columns:
         for k, column in self.optional.items():
             column.append(as_number(r.get(k, 0.0)))
         self.comm.append(as_number(r.get("comm_ms")))
+        self.run_wait.append(as_number(r.get("run_wait_ms")))
         passes = r.get("gc_passes")
         if isinstance(passes, list):
             for g in passes[:MAX_GC_PASSES]:
@@ -279,7 +300,8 @@ def _frames(chunks: list[_Columns], codes: dict[str, int]) -> tuple[pd.DataFrame
         device = timed[~timed.index.duplicated(keep="last")].reindex(step).to_numpy(dtype=np.float64)
     steps = pd.DataFrame({"step": step, "start": col("start", np.float64), "dur_ms": col("dur", np.float64),
                           "dataloader_ms": col("dl", np.float64), "comm_ms": col("comm", np.float64),
-                          "device_ms": device, **{k: optional(k) for k in OPTIONAL_STEP_FIELDS}},
+                          "device_ms": device, **{k: optional(k) for k in OPTIONAL_STEP_FIELDS},
+                          "run_wait_ms": col("run_wait", np.float64)},
                          columns=STEP_COLUMNS, copy=False)
     g_step = col("g_step", np.int64)
     passes = pd.DataFrame({"step": g_step, "start": col("g_start", np.float64), "dur_ms": col("g_dur", np.float64),

@@ -182,12 +182,13 @@ def analyze_scaling(runs: dict[int, Path], mode: str = "weak", batch_size: int |
     if len(runs) < 2:
         raise DiagnoseError("scaling needs runs at two or more world sizes")
     measured = {n: measure_point(n, Path(p), batch_size, reader, (run_k or {}).get(n)) for n, p in sorted(runs.items())}
-    # the wait for a core, sampled at some sizes and not others (a run of a few seconds: too few
-    # samples): counted as none there, which the bar between them then carries
+    # the wait for a core, read at some sizes and not others (older probes' samples, too few in a
+    # run of a few seconds): counted as none there, which the bar between them then carries
     cpu = [n for n, (_, d) in measured.items() if not d.run.device.startswith(("cuda", "rocm"))]
     unsampled = [n for n in cpu if "cpu_contention" not in measured[n][0].causes_ms]
-    contention = [f"N={n}: the training threads' wait for a core was not sampled (a run under "
-                  f"{RUN_WAIT_SAMPLES * 2} s, or older probes): its CPU contention counted as none"
+    contention = [f"N={n}: the training threads' wait for a core was not read (older probes that sampled it "
+                  f"every few seconds, a run under {RUN_WAIT_SAMPLES * 2} s, or not Linux): its CPU contention "
+                  "counted as none"
                   for n in unsampled] if len(unsampled) < len(cpu) else []
     baseline = measured[min(measured)][1].findings
     top = measured[max(measured)][1]

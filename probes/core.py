@@ -155,6 +155,10 @@ class StepRecord:
     device: list = field(default_factory=list)
     """[step, ms] for earlier steps as the device ran them, read during this one (CUDA ranks:
     probes/device_steps.py)."""
+    run_wait_ms: float | None = None
+    """The training thread's time ready to run and waiting for a core during the step (the
+    kernel's run-queue delay, /proc/thread-self/schedstat); written where read (Linux, from the
+    second step on)."""
 
 
 def _in_flight_ms(colls: list) -> float:
@@ -216,6 +220,8 @@ class Probe:
         self.job_profiler = False
         self._hang = None
         self._telemetry = None
+        self._sched_fd: int | None = None  # the training thread's /proc schedstat, kept open (run_wait_ms)
+        self._sched_last: int | None = None
         self.max_log_bytes = _env_mb("DIAGNOSE_PROBE_MAX_LOG_MB", 64)
         self.meta: dict = {}
         self._summary = {"steps": 0, "dataloader_ms": 0.0, "comm_ms": 0.0, "step_ms": 0.0}
@@ -339,6 +345,7 @@ class Probe:
     def on_step(self) -> None:
         """Step boundary (after optimizer.step, or the user's `w.step()`)."""
         now = time.perf_counter()
+        run_wait = self._run_wait() if self.ok("run wait") else None
         self._resolve_cuda()
         # earlier steps as the device ran them, read now (never waited for)
         device = (self._quietly("device timing", self._device_steps.resolved, []) if self.ok("device timing")
@@ -357,7 +364,7 @@ class Probe:
                                  gc_full=self._gc_full, gc_full_ms=round(self._gc_full_ms, 4),
                                  gc_passes=[[round((t - self._t0) * 1000.0, 3), round(ms, 3), gen, int(inside)]
                                             for t, ms, gen, inside in passes],
-                                 collectives=self._colls, spans=self._spans, device=device)
+                                 collectives=self._colls, spans=self._spans, device=device, run_wait_ms=run_wait)
                 self._colls = []
                 self._spans = []
             self._write_step(rec)
@@ -559,7 +566,8 @@ class Probe:
                           **({"gc_full": rec.gc_full, "gc_full_ms": rec.gc_full_ms} if rec.gc_full else {}),
                           **({"gc_passes": rec.gc_passes} if rec.gc_passes else {}),
                           **({"spans": rec.spans} if rec.spans else {}),
-                          **({"device_ms": rec.device} if rec.device else {})})
+                          **({"device_ms": rec.device} if rec.device else {}),
+                          **({"run_wait_ms": rec.run_wait_ms} if rec.run_wait_ms is not None else {})})
 
     def _write_line(self, record: dict) -> None:
         f = self._steps_file
@@ -650,6 +658,23 @@ class Probe:
         except Exception as exc:  # noqa: BLE001
             self._fail("trace export", exc)
 
+    def _run_wait(self) -> float | None:
+        """ms the calling (training) thread waited for a core since the last step end: the change of
+        its schedstat's second field, read from a descriptor opened at the first step end and kept
+        (2 us a read; opened there, not at start, so that it is the thread that runs the loop)."""
+        try:
+            if self._sched_fd is None:
+                self._sched_fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            ns = int(os.pread(self._sched_fd, 128, 0).split()[1])
+        except OSError:
+            self._failed.add("run wait")  # not Linux, or no schedstat: nothing to record, said nowhere
+            return None
+        except Exception as exc:  # noqa: BLE001 - a probe must never raise into training
+            self._fail("run wait", exc)
+            return None
+        last, self._sched_last = self._sched_last, ns
+        return None if last is None else round(max(ns - last, 0) / 1e6, 4)
+
     def _quietly(self, part: str, fn, default=None):
         """fn()'s value, or `default` once `part` has failed (logged once, switched off)."""
         try:
@@ -659,6 +684,9 @@ class Probe:
             return default
 
     def close(self) -> None:
+        if self._sched_fd is not None:
+            fd, self._sched_fd = self._sched_fd, None
+            self._quietly("run wait", lambda: os.close(fd))
         hang_done = True
         if self._hang is not None:
             hang_done = self._hang.stop()

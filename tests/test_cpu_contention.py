@@ -162,3 +162,54 @@ def test_a_late_rank_not_short_of_cores_keeps_its_fix(fixture):
     for f in diagnose_paths([FIXTURES / fixture]).findings:
         assert f.fix != FIX_CPU_WAIT.format(who=f"rank {','.join(map(str, f.ranks))}"), (f.id, f.fix)
         assert "its cores back" not in f.fix
+
+
+def test_a_run_too_short_for_the_telemetry_is_measured_from_its_steps():
+    """The probes read the training thread's run-queue wait at every step end (run_wait_ms): a
+    2.5 s run with one telemetry sample a rank was "not measurable"; its 9 recorded steps say 35%."""
+    from diagnose.probedata import RUN_WAIT_SAMPLES, load_probe_data, run_wait_basis
+
+    fixture = FIXTURES / "cpu_cores_contended_short_2rank"
+    probes = load_probe_data([fixture])
+    for r, p in probes.items():
+        assert len(_lines(fixture / f"rank{r}.telemetry.jsonl")) < RUN_WAIT_SAMPLES
+        raw = _lines(fixture / f"rank{r}.steps.jsonl")
+        waits = [x["run_wait_ms"] for x in raw if "run_wait_ms" in x]
+        assert len(waits) == len(raw) - 1  # every step but the first (no reading before it)
+        assert all(0 <= x["run_wait_ms"] <= x["dur_ms"] for x in raw if "run_wait_ms" in x)
+        share, over = run_wait_basis(p)
+        timed = [x for x in raw if "run_wait_ms" in x and x["step"] > 0]
+        assert share == pytest.approx(sum(x["run_wait_ms"] for x in timed) / sum(x["dur_ms"] for x in timed))
+        assert over == f"{len(timed)} recorded steps"
+    d = diagnose_paths([fixture])
+    assert d.findings[0].id == ID
+    c = next(c for c in d.checks if c.id == ID)
+    assert "recorded steps" in c.reason
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no schedstat (not Linux)")
+def test_the_probe_records_each_steps_wait_for_a_core_from_the_loops_thread(tmp_path, monkeypatch):
+    from diagnose.probes.core import Probe, Schedule
+
+    monkeypatch.setenv("DIAGNOSE_TELEMETRY_S", "0")
+    p = Probe(tmp_path, rank=0, world_size=1, schedule=Schedule(enabled=False))
+    seen = {}
+
+    def loop() -> None:
+        seen["tid"] = threading.get_native_id()
+        for _ in range(12):
+            t = time.process_time() + 0.01
+            while time.process_time() < t:  # busy: on a core, or ready and waiting for one
+                pass
+            p.on_step()
+        seen["read"] = os.readlink(f"/proc/self/fd/{p._sched_fd}")
+
+    t = threading.Thread(target=loop)
+    t.start()
+    t.join()  # the main thread asleep meanwhile
+    p.close()
+    # the counter read is the loop thread's, not the main thread's
+    assert seen["read"] == f"/proc/{os.getpid()}/task/{seen['tid']}/schedstat"
+    raw = _lines(tmp_path / "rank0.steps.jsonl")
+    assert "run_wait_ms" not in raw[0] and all("run_wait_ms" in x for x in raw[1:])
+    assert all(0 <= x["run_wait_ms"] <= x["dur_ms"] + 1 for x in raw[1:])

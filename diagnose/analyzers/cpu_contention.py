@@ -7,12 +7,12 @@ time slices. Measured (2026-12-07, this 2-core machine, `examples/train_ddp.py -
 --num-workers 2`): the median step went from 105.5 ms (no transforms) to 232 ms with a DataLoader wait of 4 ms, the host
 100% busy, and the tool said "no significant cause found".
 
-The probes sample the kernel's run-queue delay of the training thread (probes/telemetry.py
-`run_wait`: its share of wall time spent runnable but not running) every few seconds over the run:
-that time is lost to the step on a CPU rank. Per step the job waits for its slowest rank, so the
+The probes read the kernel's run-queue delay of the training thread (its time runnable but not
+running) at every step end (`run_wait_ms` in the step record), and older probes sampled it every
+few seconds (probes/telemetry.py `run_wait`): that time is lost to the step on a CPU rank. Per step the job waits for its slowest rank, so the
 cost is the largest rank's share of its mean step (an upper bound where ranks wait at different
 times). On a GPU rank the device runs queued work meanwhile: the figure is an upper bound there,
-confidence medium. Over the run (the probes' samples), like gc_pause: no replay of the profiled
+confidence medium. Over the run (every recorded step), like gc_pause: no replay of the profiled
 steps expresses it.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from diagnose.analyzers.common import flag_or_pass, not_measurable
 from diagnose.context import Context
 from diagnose.model import Check, Finding
-from diagnose.probedata import RUN_WAIT_SAMPLES, host_cores, job_step_ms, ranks_on_host, run_wait_share, signal_mean
+from diagnose.probedata import RUN_WAIT_STEPS, host_cores, job_step_ms, ranks_on_host, run_wait_basis, signal_mean
 from diagnose.thresholds import Thresholds
 from diagnose.units import rank_ranges
 
@@ -39,20 +39,22 @@ FIX_OTHER = ("Other work on this host takes the training threads' cores ({cores}
 
 def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     share: dict[int, float] = {}
+    over: dict[int, str] = {}
     busy: dict[int, float] = {}
     on_cpu: dict[int, float] = {}
     step_ms: dict[int, float] = {}
     for r, p in sorted(ctx.probes.items()):
-        waited = run_wait_share(p)
-        if waited is None or p.steps.empty:
+        basis = run_wait_basis(p)
+        if basis is None or p.steps.empty:
             continue
-        share[r] = waited
+        share[r], over[r] = basis
         busy[r], on_cpu[r] = signal_mean(p, "cpu_busy"), signal_mean(p, "thread_cpu")
         ms = job_step_ms(p.steps)
         step_ms[r] = float(np.nanmean(ms)) if np.isfinite(ms).any() else np.nan
     if not share:
-        return [not_measurable(ID, TITLE, "the probes did not sample the training thread's wait for a CPU (no "
-                               f"telemetry with run_wait: older probes, a run under {RUN_WAIT_SAMPLES * 2} s, or not Linux)")]
+        return [not_measurable(ID, TITLE, "the probes did not read the training thread's wait for a CPU (no "
+                               f"run_wait_ms in {RUN_WAIT_STEPS} recorded steps nor run_wait in the telemetry: "
+                               "older probes, or not Linux)")]
     lost = {r: share[r] * step_ms[r] for r in share if np.isfinite(step_ms[r])}
     if not lost:
         return [not_measurable(ID, TITLE, "no recorded step times beside the telemetry")]
@@ -88,14 +90,14 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
     f = Finding(id=ID, title=TITLE, severity=th.severity(frac), recoverable_ms=round(ms, 3),
                 share_of_step=round(frac, 4), ranks=ranks, metrics=metrics, events=(), fix=fix,
                 confidence="medium" if on_device else "high", over="run",
-                method="The training thread's run-queue delay (ready, waiting for a core; /proc schedstat, sampled "
-                       "by the probes over the run) as a share of wall time, times the rank's mean recorded step, "
+                method="The training thread's run-queue delay (ready, waiting for a core; /proc schedstat, read by "
+                       "the probes at every step end, or sampled every few seconds by older ones) as a share of wall time, times the rank's mean recorded step, "
                        "on the rank that loses most" + (": an upper bound where the device has work queued."
                                                         if on_device else "."))
     who = ("its DataLoader's workers among them: " + f"{on_host} rank(s) and {on_host * workers} worker(s) on "
            f"{cores} core(s)") if workers and cores else f"{cores or 'its'} core(s)"
     host_busy = f"the host {busy[worst]:.0%} busy" if np.isfinite(busy[worst]) else "the host's load not read"
     reason = (f"rank {worst}'s training thread waited for a CPU {share[worst]:.0%} of the time over the run's "
-              f"{len(ctx.probes[worst].telemetry)} samples, {ms:.1f} ms of its {mean_step:.1f} ms step, {host_busy} "
+              f"{over[worst]}, {ms:.1f} ms of its {mean_step:.1f} ms step, {host_busy} "
               f"({who}); rank(s) {rank_ranges(ranks)} from {th.cpu_contention:.0%} up")
     return [flag_or_pass(f, th.cpu_contention, th, reason)]
