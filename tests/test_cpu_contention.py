@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -213,3 +214,58 @@ def test_the_probe_records_each_steps_wait_for_a_core_from_the_loops_thread(tmp_
     raw = _lines(tmp_path / "rank0.steps.jsonl")
     assert "run_wait_ms" not in raw[0] and all("run_wait_ms" in x for x in raw[1:])
     assert all(0 <= x["run_wait_ms"] <= x["dur_ms"] + 1 for x in raw[1:])
+
+
+STEPS_CONTENDED = FIXTURES / "cpu_cores_contended_steps_2rank"
+STEPS_UNEVEN = FIXTURES / "cpu_uneven_steps_2rank"
+
+
+def _slowest_starved(fixture: Path) -> tuple[float, float]:
+    """From the raw records: per step, the rank that held the collectives longest and its lead,
+    and its wait for a core above the other rank's; means over the steps both ranks read."""
+    raw = {r: {x["step"]: x for x in _lines(fixture / f"rank{r}.steps.jsonl")} for r in (0, 1)}
+    starved, lead = [], []
+    for step in sorted(set(raw[0]) & set(raw[1])):
+        a, b = raw[0][step], raw[1][step]
+        if "run_wait_ms" not in a or "run_wait_ms" not in b or not a["collectives"] or not b["collectives"]:
+            continue
+        gaps = [0.0, 0.0]
+        for ca, cb in zip(a["collectives"], b["collectives"]):
+            ta, tb = a["start"] + ca[1] / 1000, b["start"] + cb[1] / 1000
+            gaps[0 if ta > tb else 1] += abs(ta - tb)
+        slow = 0 if gaps[0] > gaps[1] else 1
+        if gaps[slow] <= 0:
+            continue
+        mine, other = (a, b) if slow == 0 else (b, a)
+        starved.append(mine["run_wait_ms"] - other["run_wait_ms"])
+        lead.append(gaps[slow] * 1000)
+    return float(np.mean(starved)), float(np.mean(lead))
+
+
+def test_turns_that_follow_the_wait_for_a_core_step_by_step_are_the_contentions():
+    """With the wait for a core read at every step end, the record tells, step by step, whether
+    the rank slowest at a step is the one that waited for a core: here it is, and uneven work is
+    not flagged beside the contention (it was, as "may be the contention's")."""
+    d = diagnose_paths([STEPS_CONTENDED])
+    assert [f.id for f in d.findings][:1] == [ID] and "load_imbalance" not in [f.id for f in d.findings]
+    c = next(c for c in d.checks if c.id == "load_imbalance")
+    assert c.status == "passed" and "the turns are the host's CPU contention's" in c.reason
+    starved, lead = _slowest_starved(STEPS_CONTENDED)
+    assert starved >= 0.5 * lead
+    said = re.search(r"waited ([\d.]+) ms more for a core than the median other rank, against its ([\d.]+) ms lead",
+                     c.reason)
+    assert float(said[1]) == pytest.approx(starved, abs=0.1) and float(said[2]) == pytest.approx(lead, rel=0.01)
+
+
+def test_turns_that_do_not_follow_the_wait_for_a_core_stay_uneven_work():
+    """Uneven work on a host whose threads also wait for cores (--uneven-ms with CPU-heavy loading):
+    the slowest rank of a step is not the one that waited: uneven work, said without "may be"."""
+    from diagnose.analyzers.imbalance import FIX
+
+    d = diagnose_paths([STEPS_UNEVEN])
+    f = next(f for f in d.findings if f.id == "load_imbalance")
+    assert f.fix == FIX["compute_ms"] and f.confidence != "low"
+    starved, lead = _slowest_starved(STEPS_UNEVEN)
+    assert starved < 0.5 * lead
+    c = next(c for c in d.checks if c.id == "load_imbalance")
+    assert "not the contention's" in c.reason and "may be" not in c.reason

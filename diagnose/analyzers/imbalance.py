@@ -27,6 +27,7 @@ waits, the time outside both) says what is uneven, and the fix follows it.
 """
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from diagnose.analyzers.common import confidence_for, flag_or_pass, not_measurable
@@ -88,16 +89,53 @@ def _slowest_by_profiled_step(table: pd.DataFrame) -> pd.Series:
     return t.loc[t.groupby("step")["own"].idxmax()].set_index("step")["rank"].astype(int)
 
 
-def _slowest_by_every_step(every: pd.DataFrame) -> pd.Series:
-    """Per step of the probes' every-step record, the rank that held the collectives longest:
-    the sum over the step's collectives of its arrival minus the next-latest one's, where last."""
+def _held_by_every_step(every: pd.DataFrame) -> pd.DataFrame:
+    """Per step of the probes' every-step record, the rank that held the collectives longest and
+    for how long (`rank`, `gap` s): the sum over the step's collectives of its arrival minus the
+    next-latest one's, where last."""
     per = every_step_last(every)
     if per.empty:
-        return pd.Series(dtype=int)
+        return pd.DataFrame({"rank": pd.Series(dtype=int), "gap": pd.Series(dtype=float)})
     held = pd.DataFrame({"step": per.index.get_level_values("step"), "rank": per["rank"].to_numpy(),
                          "gap": per["gap"].to_numpy()}).groupby(["step", "rank"])["gap"].sum()
     held = held[held > 0].reset_index()
-    return held.loc[held.groupby("step")["gap"].idxmax()].set_index("step")["rank"].astype(int)
+    top = held.loc[held.groupby("step")["gap"].idxmax()].set_index("step")
+    return top.assign(rank=top["rank"].astype(int))
+
+
+def _slowest_by_every_step(every: pd.DataFrame) -> pd.Series:
+    """Per step of the probes' every-step record, the rank that held the collectives longest."""
+    return _held_by_every_step(every)["rank"]
+
+
+STARVED_EXPLAINS = 0.5
+"""Each step's slowest rank waiting for a core this share of its lead at the collectives or more
+(over the every-step record): its turns are the contention's, not uneven work."""
+
+
+def _starved(ctx: Context, held: pd.DataFrame) -> tuple[float, float, int] | None:
+    """Over the record's steps where every rank's wait for a core was read (run_wait_ms): the mean
+    of the step's slowest rank's wait above the median other rank's (ms), the mean lead it held the
+    collectives by (ms), and how many steps; None with fewer than MIN_EVERY_STEPS such steps."""
+    waits = {r: p.steps.set_index("step")["run_wait_ms"] for r, p in ctx.probes.items()
+             if not p.steps.empty and "run_wait_ms" in p.steps and p.steps["run_wait_ms"].notna().any()}
+    if len(waits) < 2 or held.empty:
+        return None
+    grid = pd.DataFrame({r: w[~w.index.duplicated(keep="last")] for r, w in waits.items()})
+    grid = grid.reindex(held.index).dropna()  # steps every rank's probes read
+    if len(grid) < MIN_EVERY_STEPS:
+        return None
+    slow = held.loc[grid.index, "rank"].to_numpy()
+    cols = {r: i for i, r in enumerate(grid.columns)}
+    w = grid.to_numpy(dtype=float)
+    at = np.array([cols.get(int(r), -1) for r in slow])
+    ok = at >= 0
+    if ok.sum() < MIN_EVERY_STEPS:
+        return None
+    mine = w[ok, at[ok]]
+    others = np.array([np.median(np.delete(row, i)) for row, i in zip(w[ok], at[ok])])
+    lead = held.loc[grid.index[ok], "gap"].to_numpy(dtype=float) * 1000
+    return float(np.mean(mine - others)), float(np.mean(lead)), int(ok.sum())
 
 
 def _source(table: pd.DataFrame, slowest: pd.Series) -> dict[str, float]:
@@ -144,7 +182,8 @@ def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...], ever
             f"ranks {rank_ranges(straggler_ranks)}"
         return Check(id=ID, title=TITLE, status="passed", measured_ms=round(beyond, 3) if beyond is not None else None,
                      reason=f"the waiting at collectives is first the straggler check's ({who})" + more)
-    by_every = _slowest_by_every_step(every)
+    held = _held_by_every_step(every)
+    by_every = held["rank"]
     profiled = _slowest_by_profiled_step(ctx.table) if not ctx.table.empty else pd.Series(dtype=int)
     use_every = len(by_every) >= MIN_EVERY_STEPS
     slowest = by_every if use_every else profiled
@@ -188,6 +227,22 @@ def analyze(ctx: Context, th: Thresholds, straggler_ranks: tuple[int, ...], ever
     if balanced is not None:
         reason += f"; bringing every rank to the median rank gives back {balanced:.1f} ms per step (replayed)"
     contended = _contended(ctx, th) if (key or "compute_ms") in SLOWED_BY else None
+    starved = _starved(ctx, held) if contended is not None and use_every else None
+    if starved is not None:
+        # each step's slowest rank against the others at that step: the record says whether the
+        # turns follow the wait for a core, where the run's share alone could only say "may be"
+        metrics.update(slowest_extra_cpu_wait_ms=round(starved[0], 3), slowest_lead_ms=round(starved[1], 3),
+                       cpu_wait_steps=starved[2])
+        if starved[1] > 0 and starved[0] >= STARVED_EXPLAINS * starved[1]:
+            return Check(id=ID, title=TITLE, status="passed", measured_ms=round(cost, 3),
+                         reason=f"{reason}; but at each of {starved[2]} steps of the record the slowest rank waited "
+                                f"{starved[0]:.1f} ms more for a core than the median other rank, against its "
+                                f"{starved[1]:.1f} ms lead at the collectives: the turns are the host's CPU "
+                                "contention's (the cpu_contention check), not uneven work")
+        contended = None  # the turns do not follow the wait for a core: uneven work, said plainly
+        reason += (f"; the training threads waited for a core, but each step's slowest rank only "
+                   f"{starved[0]:.1f} ms more than the median other rank against its {starved[1]:.1f} ms lead "
+                   f"({starved[2]} steps of the record): not the contention's")
     if key is not None:
         said = SOURCES[key] if contended is None else SLOWED_BY[key]  # not "more work" where it may be slower work
         reason += f"; each step's slowest rank is longer in {said}: +{extra[key]:.1f} ms per step against the other ranks"
