@@ -6,15 +6,14 @@ steps' timings only (no trace), and says so.
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from diagnose.errors import one_line
 from diagnose.oncall import live_tails, progress
-from diagnose.probedata import every_step_lateness, probe_from_rows
+from diagnose.probedata import ProbeData, every_step_lateness, load_telemetry, probe_from_rows, run_wait_basis
 from diagnose.thresholds import DEFAULT, Thresholds
 
 
@@ -63,6 +62,7 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
     now = time.time() if now is None else now
     warnings: list[str] = []
     tails = {r: t[-window:] for r, t in live_tails(pdir, warnings).items() if t}
+    recorded = {r: probe_from_rows(r, {}, t) for r, t in tails.items()}
     ranks = []
     for r, t in sorted(tails.items()):
         durs = [x["dur_ms"] for x in t]
@@ -72,13 +72,13 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
                               dataloader_share=statistics.median(dl) if dl else 0.0,
                               comm_ms=statistics.median(x.get("comm_ms", 0.0) for x in t),
                               age_s=max(0.0, now - (last["start"] + last["dur_ms"] / 1000)),
-                              cpu_wait=_cpu_wait(pdir, r, t, warnings)))
+                              cpu_wait=_cpu_wait(pdir, recorded[r], warnings)))
     if not ranks:
         return LiveView((), None, 0, None, 0.0, "no finished step yet", window, tuple(warnings))
     furthest = max(x.step for x in ranks)
     slowest = min(ranks, key=lambda x: (x.step, -x.age_s))
     late_rank, late_ms = None, 0.0
-    lat = every_step_lateness({r: probe_from_rows(r, {}, t) for r, t in tails.items()})
+    lat = every_step_lateness(recorded)
     if not lat.empty:
         keys = ["step", "group", "seq"]
         last = lat.loc[lat.groupby(keys)["arrival"].idxmax()]
@@ -122,24 +122,17 @@ def snapshot(pdir: Path, window: int = 20, th: Thresholds = DEFAULT, now: float 
                     tuple(warnings), quiet_s=quiet, change=latest_change(pdir, th))
 
 
-def _cpu_wait(pdir: Path, rank: int, tail: list[dict], warnings: list[str]) -> float | None:
-    """The rank's training thread's recent wait for a core, as a share of wall time: over the
-    view's steps where their records hold it (run_wait_ms), else over its last LIVE_SAMPLES
-    telemetry samples (older probes); None where its probes read none."""
-    from diagnose.probedata import RUN_WAIT_SAMPLES, RUN_WAIT_STEPS, as_number, load_telemetry
-
-    read = [(as_number(x.get("run_wait_ms")), as_number(x.get("dur_ms"))) for x in tail]
-    read = [(w, d) for w, d in read if math.isfinite(w) and math.isfinite(d) and d > 0]  # NaN: not read
-    if len(read) >= RUN_WAIT_STEPS:
-        return min(sum(w for w, _ in read) / sum(d for _, d in read), 1.0)
-
-    path = pdir / f"rank{rank}.telemetry.jsonl"
-    if not path.exists():
-        return None
-    t, bad = load_telemetry(path, max_lines=LIVE_SAMPLES)
-    warnings.extend(bad)
-    w = t["run_wait"].dropna() if "run_wait" in t else ()
-    return float(w.mean()) if len(w) >= RUN_WAIT_SAMPLES else None
+def _cpu_wait(pdir: Path, recorded: ProbeData, warnings: list[str]) -> float | None:
+    """The rank's training thread's recent wait for a core, as a share of wall time: over the view's
+    steps (`recorded`, their run_wait_ms), else over its last LIVE_SAMPLES telemetry samples (older
+    probes); None where its probes read none (probedata.run_wait_basis)."""
+    basis = run_wait_basis(recorded)
+    path = pdir / f"rank{recorded.rank}.telemetry.jsonl"
+    if basis is None and path.exists():
+        t, bad = load_telemetry(path, max_lines=LIVE_SAMPLES)
+        warnings.extend(bad)
+        basis = run_wait_basis(replace(recorded, telemetry=t))
+    return None if basis is None else basis[0]
 
 
 def slowdowns(pdir: Path, th: Thresholds = DEFAULT) -> tuple:

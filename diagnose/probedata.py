@@ -120,15 +120,9 @@ def run_wait_basis(p: ProbeData) -> tuple[float, str] | None:
     return (float(np.mean(w[ok])), f"{int(ok.sum())} telemetry samples") if ok.sum() >= RUN_WAIT_SAMPLES else None
 
 
-def run_wait_share(p: ProbeData) -> float | None:
-    """run_wait_basis's share alone."""
-    b = run_wait_basis(p)
-    return None if b is None else b[0]
-
-
 def run_wait_shares(probes: dict[int, ProbeData]) -> dict[int, float]:
-    """run_wait_share of every rank that has one."""
-    return {r: w for r, w in ((r, run_wait_share(p)) for r, p in probes.items()) if w is not None}
+    """run_wait_basis's share of every rank that has one."""
+    return {r: b[0] for r, b in ((r, run_wait_basis(p)) for r, p in probes.items()) if b is not None}
 
 
 def host_cores(p: ProbeData) -> int | None:

@@ -179,8 +179,9 @@ class Thresholds:
     for every other."""
 
     cpu_contention: float = 0.10
-    """Flag the training thread's wait for a core from 10% of the step over the run: a sampled figure
-    (one sample per 2 s), held to the communication check's floor rather than input's 5%."""
+    """Flag the training thread's wait for a core from 10% of the step over the run: a figure of the
+    kernel's accounting (or, from older probes, one sample per 2 s), held to the communication
+    check's floor rather than input's 5%."""
 
     healthy_floor_ms: float = 0.05
     """Ignore causes under 50 us per step: below timer and alignment noise."""

@@ -43,7 +43,7 @@ RECORDED = ["cpu_straggler_2rank", "cpu_straggler_dataloader_2rank", "cpu_checkp
             "cpu_gc_one_rank_2rank", "cpu_manual_sync_2rank", "cpu_eval_one_rank_2rank",
             "cpu_cores_contended_2rank", "cpu_cores_inline_loading_2rank", "cpu_uneven_sampled_2rank",
             "cpu_scale_contended_n2", "cpu_hog_one_rank_2rank", "cpu_cores_contended_short_2rank",
-            "cpu_cores_contended_steps_2rank", "cpu_uneven_steps_2rank"] + [f"gpu_h200/{d.name}" for d in sorted((FIXTURES / "gpu_h200").iterdir()) if d.is_dir()]
+            "cpu_cores_contended_steps_2rank", "cpu_uneven_steps_2rank", "cpu_straggler_sampled_2rank"] + [f"gpu_h200/{d.name}" for d in sorted((FIXTURES / "gpu_h200").iterdir()) if d.is_dir()]
 
 
 def _round(x):

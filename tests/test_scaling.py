@@ -109,7 +109,7 @@ def test_more_ranks_on_the_same_cores_lose_speedup_to_cpu_contention_not_compute
     samples burn CPU in two DataLoader workers a rank, on this 2-core host. The step doubles (121 ->
     250 ms); the waterfall called it compute inflation, the growth of the step with every cause
     removed. The probes sample each training thread's wait for a core: that wait is the loss."""
-    from diagnose.probedata import load_probe_data, run_wait_share
+    from diagnose.probedata import load_probe_data, run_wait_shares
     from diagnose.scaling import analyze_scaling
 
     n1, n2 = FIXTURES / "cpu_scale_contended_n1", FIXTURES / "cpu_scale_contended_n2"
@@ -123,7 +123,7 @@ def test_more_ranks_on_the_same_cores_lose_speedup_to_cpu_contention_not_compute
     # of the traced step, taken out of compute (which held it)
     for n, d in ((1, n1), (2, n2)):
         p = next(x for x in s.points if x.nproc == n)
-        share = max(run_wait_share(pr) for pr in load_probe_data([d]).values())
+        share = max(run_wait_shares(load_probe_data([d])).values())
         assert p.causes_ms["cpu_contention"] == pytest.approx(share * p.trace_step_ms, rel=1e-6)
     assert sum(b.lost_speedup for b in s.waterfall) == pytest.approx(s.ideal_speedup - s.observed_speedup, abs=1e-3)
     # slow at one rank already (1 rank and 2 workers on 2 cores), but most of the loss comes with the second rank

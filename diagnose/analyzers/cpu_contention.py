@@ -9,9 +9,9 @@ time slices. Measured (2026-12-07, this 2-core machine, `examples/train_ddp.py -
 
 The probes read the kernel's run-queue delay of the training thread (its time runnable but not
 running) at every step end (`run_wait_ms` in the step record), and older probes sampled it every
-few seconds (probes/telemetry.py `run_wait`): that time is lost to the step on a CPU rank. Per step the job waits for its slowest rank, so the
-cost is the largest rank's share of its mean step (an upper bound where ranks wait at different
-times). On a GPU rank the device runs queued work meanwhile: the figure is an upper bound there,
+few seconds (probes/telemetry.py `run_wait`): that time is lost to the step on a CPU rank. Per step
+the job waits for its slowest rank, so the cost is the largest rank's share of its mean step (an
+upper bound where ranks wait at different times). On a GPU rank the device runs queued work meanwhile: the figure is an upper bound there,
 confidence medium. Over the run (every recorded step), like gc_pause: no replay of the profiled
 steps expresses it.
 """
@@ -91,8 +91,8 @@ def analyze(ctx: Context, th: Thresholds) -> list[Check]:
                 share_of_step=round(frac, 4), ranks=ranks, metrics=metrics, events=(), fix=fix,
                 confidence="medium" if on_device else "high", over="run",
                 method="The training thread's run-queue delay (ready, waiting for a core; /proc schedstat, read by "
-                       "the probes at every step end, or sampled every few seconds by older ones) as a share of wall time, times the rank's mean recorded step, "
-                       "on the rank that loses most" + (": an upper bound where the device has work queued."
+                       "the probes at every step end, or sampled every few seconds by older ones) as a share of "
+                       "wall time, times the rank's mean recorded step, on the rank that loses most" + (": an upper bound where the device has work queued."
                                                         if on_device else "."))
     who = ("its DataLoader's workers among them: " + f"{on_host} rank(s) and {on_host * workers} worker(s) on "
            f"{cores} core(s)") if workers and cores else f"{cores or 'its'} core(s)"
